@@ -1,0 +1,82 @@
+"""`narwhal-serve --demo`: a local simulated fleet (2 prefill + 2 decode) and its config."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from contextlib import AsyncExitStack
+from typing import Any
+
+from narwhal.config import Config, parse_config
+
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+async def start_sim(stack: AsyncExitStack, role: str, extra: list[str]) -> str:
+    """Start one `narwhal-sim` process on an ephemeral port; stopped when the stack closes."""
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "narwhal.sim.cli",
+        "serve",
+        "--port",
+        "0",
+        "--role",
+        role,
+        "--kv-role",
+        kv_role,
+        "--model",
+        "demo-model",
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+    async def stop() -> None:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+    stack.push_async_callback(stop)
+    assert proc.stdout is not None
+    async with asyncio.timeout(30):
+        while True:
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(f"narwhal-sim ({role}) exited before listening")
+            if match := _LISTENING.search(line):
+                return match[1]
+
+
+def demo_config(prefill_urls: list[str], decode_urls: list[str], listen: str) -> Config:
+    engines: list[dict[str, Any]] = [
+        {"id": f"p{i}", "url": u, "role": "prefill"} for i, u in enumerate(prefill_urls)
+    ] + [{"id": f"d{i}", "url": u, "role": "decode"} for i, u in enumerate(decode_urls)]
+    return parse_config(
+        {
+            "router_id": "demo",
+            "listen": listen,
+            "model": "demo-model",
+            "engines": engines,
+            "controller": {"monitor_interval_s": 1.0},
+            "handoff": {"path": "state/demo-handoff.json"},
+        }
+    )
+
+
+def banner(url: str) -> str:
+    return f"""
+Narwhal demo: router on {url} in front of 2 prefill + 2 decode narwhal-sim engines.
+
+  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "demo-model", "prompt": "Hello narwhal", "max_tokens": 8}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='x'); \\
+print(c.chat.completions.create(model='demo-model', max_tokens=8, \\
+messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
+
+  curl -s {url}/ready ; curl -s {url}/admin/engines ; curl -s {url}/metrics
+
+Ctrl-C stops the router and the engines.
+"""

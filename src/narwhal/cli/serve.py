@@ -1,0 +1,136 @@
+"""`narwhal-serve`: run the router (or validate a config, or run the demo)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+from narwhal.config import Config, ConfigError, load_config, parse_config
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="narwhal-serve", description=__doc__)
+    p.add_argument("--config", help="the YAML configuration file")
+    p.add_argument("--check-config", metavar="FILE", help="validate FILE and exit")
+    p.add_argument("--demo", action="store_true", help="start a local simulated fleet too")
+    p.add_argument("--listen", help="host:port, overrides `listen` from the config")
+    p.add_argument("--resume", action="store_true", help="apply the saved handoff if it matches")
+    p.add_argument("--standby", action="store_true", help="run as a warm standby")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _fail_config(problems: list[str]) -> int:
+    for problem in problems:
+        print(f"narwhal-serve: config error: {problem}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_startable(config: Config) -> list[str]:
+    """Problems that only matter when actually serving (not for --check-config)."""
+    problems = []
+    try:
+        token = config.admin.resolve_token()
+    except OSError as exc:
+        return [f"admin.token_file: cannot read: {exc.strerror or exc}"]
+    if token is None and not _is_loopback(config.listen_host):
+        problems.append(
+            "admin: the admin API needs a token to listen on a non-loopback address "
+            f"({config.listen_host})"
+        )
+    return problems
+
+
+async def _serve(config: Config) -> None:
+    from narwhal.server import Router
+
+    Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
+    router = Router(config)
+    await router.run(config.listen_host, config.listen_port)
+
+
+async def _demo(listen: str) -> None:
+    from narwhal.cli.demo import banner, demo_config, start_sim
+    from narwhal.server import Router
+
+    async with AsyncExitStack() as stack:
+        prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
+        decode = [await start_sim(stack, "decode", []) for _ in range(2)]
+        config = demo_config(prefill, decode, listen)
+        Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
+        router = Router(config)
+        url = f"http://{config.listen_host}:{config.listen_port}"
+        await router.run(
+            config.listen_host,
+            config.listen_port,
+            on_ready=lambda _: print(banner(url), flush=True),
+        )
+
+
+async def _main_async(coro: Coroutine[Any, Any, None]) -> None:
+    """Run until done or until SIGINT/SIGTERM cancel it (shutdown is cancellation)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await coro
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.check_config:
+        try:
+            config = load_config(args.check_config)
+        except ConfigError as exc:
+            return _fail_config(exc.problems)
+        print(f"config OK: {args.check_config} ({len(config.engines)} engines)")
+        return 0
+    if args.demo:
+        asyncio.run(_main_async(_demo(args.listen or "127.0.0.1:8080")))
+        return 0
+    if not args.config:
+        print("narwhal-serve: give --config FILE, --check-config FILE or --demo", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.resume or args.standby:
+        print("narwhal-serve: --resume and --standby are not available yet", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        config = load_config(args.config)
+        if args.listen:
+            config = parse_config({**config.model_dump(mode="json"), "listen": args.listen})
+    except ConfigError as exc:
+        return _fail_config(exc.problems)
+    problems = check_startable(config)
+    if problems:
+        return _fail_config(problems)
+    asyncio.run(_main_async(_serve(config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Typed, frozen configuration loaded from one YAML file.
+
+Every error names the key (`serving.max_connections`, `engines[1].url`) and the problem;
+callers turn a `ConfigError` into exit status 2. Durations carry their unit in the name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+
+class ConfigError(Exception):
+    """A configuration problem; `problems` holds one `key: message` line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class KvRole(StrEnum):
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def _check_url(value: str, key: str = "url") -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{key} must start with http:// or https://, got {value!r}")
+    if not parts.hostname:
+        raise ValueError(f"{key} has no host: {value!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{key} has a bad port: {value!r}") from exc
+    if port == 0:
+        raise ValueError(f"{key} has a bad port: {value!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{key} must be a base URL without path or query: {value!r}")
+    # Scheme and host are case-insensitive: normalise so duplicates are caught.
+    return f"{parts.scheme}://{parts.netloc.lower()}"
+
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _enum_value(enum: type[_E], value: Any) -> _E:
+    # Strict mode only accepts enum members from Python input; YAML gives strings.
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str) and value in {m.value for m in enum}:
+        return enum(value)
+    raise ValueError(f"must be one of {', '.join(m.value for m in enum)}, got {value!r}")
+
+
+DEFAULT_KV_ROLE = {
+    Role.PREFILL: KvRole.PRODUCER,
+    Role.DECODE: KvRole.CONSUMER,
+    Role.BOTH: KvRole.BOTH,
+}
+KV_ROLE_PERMITS = {
+    KvRole.PRODUCER: frozenset({Role.PREFILL}),
+    KvRole.CONSUMER: frozenset({Role.DECODE}),
+    KvRole.BOTH: frozenset({Role.PREFILL, Role.DECODE, Role.BOTH}),
+}
+
+
+class EngineConfig(_Section):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    url: str
+    role: Role
+    kv_role: KvRole | None = None
+    api: Literal["vllm"] = "vllm"
+    api_key: str | None = None
+    api_key_env: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return _check_url(value)
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, value: Any) -> Any:
+        return _enum_value(Role, value)
+
+    @field_validator("kv_role", mode="before")
+    @classmethod
+    def _kv_role(cls, value: Any) -> Any:
+        return None if value is None else _enum_value(KvRole, value)
+
+    @model_validator(mode="after")
+    def _kv(self) -> Self:
+        if self.kv_role is None:
+            object.__setattr__(self, "kv_role", DEFAULT_KV_ROLE[self.role])
+        assert self.kv_role is not None
+        if self.role not in KV_ROLE_PERMITS[self.kv_role]:
+            raise ValueError(
+                f"kv_role: {self.kv_role.value} does not permit role {self.role.value}"
+            )
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("api_key: give api_key or api_key_env, not both")
+        return self
+
+    @property
+    def effective_kv_role(self) -> KvRole:
+        assert self.kv_role is not None
+        return self.kv_role
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env)
+        return self.api_key
+
+
+class ServingConfig(_Section):
+    max_connections: PositiveInt = 256
+    policy: Literal["single_attempt", "bounded"] = "single_attempt"
+    request_timeout_s: PositiveFloat = 60.0
+    first_token_timeout_s: PositiveFloat = 10.0
+    stream_idle_timeout_s: PositiveFloat = 5.0
+    queue_limit: int = Field(default=256, ge=0)
+    max_attempts: PositiveInt = 2
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    token_count_cache_size: int = Field(default=4096, ge=0)
+
+    @model_validator(mode="after")
+    def _timings(self) -> Self:
+        if self.first_token_timeout_s > self.request_timeout_s:
+            raise ValueError("first_token_timeout_s: must not exceed request_timeout_s")
+        if self.stream_idle_timeout_s > self.request_timeout_s:
+            raise ValueError("stream_idle_timeout_s: must not exceed request_timeout_s")
+        return self
+
+
+class EngineSection(_Section):
+    control_connections: PositiveInt = 8
+    health_timeout_s: PositiveFloat = 1.0
+    probe_timeout_s: PositiveFloat = 5.0
+
+
+class ControllerConfig(_Section):
+    monitor_interval_s: PositiveFloat = 1.0
+    monitor_failure_limit: PositiveInt = 3
+    interval_s: PositiveFloat = 30.0
+
+
+class RecoveryConfig(_Section):
+    eject_after: PositiveInt = 3
+    liveness_misses: PositiveInt = 3
+    failure_quarantine_s: PositiveFloat | None = None
+
+
+class HandoffConfig(_Section):
+    path: str = "state/handoff.json"
+
+
+class LeaseConfig(_Section):
+    backend: Literal["none", "file", "etcd"] = "none"
+    path: str = "state/lease.json"
+    endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    key: str = "/narwhal/lease"
+    ttl_s: PositiveFloat = 10.0
+    renew_interval_s: PositiveFloat = 2.0
+    renew_deadline_s: PositiveFloat | None = None
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _endpoints_list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoint_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one endpoint is required")
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_check_url(v, "endpoint"))
+            except ValueError as exc:
+                raise ValueError(f"endpoints[{i}]: {exc}") from None
+        return tuple(out)
+
+    @model_validator(mode="after")
+    def _timings(self) -> Self:
+        if self.renew_interval_s >= self.ttl_s:
+            raise ValueError("renew_interval_s: must be below ttl_s")
+        if self.renew_deadline_s is None:
+            # Fence with a margin before the local lease runs out: a quarter of the TTL, or
+            # half the gap between renewals and expiry when renewals are close to the TTL.
+            derived = max(self.ttl_s * 0.75, (self.renew_interval_s + self.ttl_s) / 2)
+            object.__setattr__(self, "renew_deadline_s", derived)
+        assert self.renew_deadline_s is not None
+        if self.renew_deadline_s >= self.ttl_s:
+            raise ValueError("renew_deadline_s: must be below ttl_s")
+        if self.renew_deadline_s <= self.renew_interval_s:
+            raise ValueError("renew_deadline_s: must exceed renew_interval_s")
+        return self
+
+    @property
+    def effective_renew_deadline_s(self) -> float:
+        assert self.renew_deadline_s is not None
+        return self.renew_deadline_s
+
+
+class StandbyConfig(_Section):
+    active_url: str | None = None
+    takeover_threshold: PositiveInt = 3
+
+    @field_validator("active_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value, "active_url")
+
+
+class AdminConfig(_Section):
+    token: str | None = None
+    token_env: str | None = None
+    token_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        given = [k for k in ("token", "token_env", "token_file") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give only one of token, token_env, token_file")
+        return self
+
+    def resolve_token(self) -> str | None:
+        if self.token is not None:
+            return self.token
+        if self.token_env is not None:
+            return os.environ.get(self.token_env) or None
+        if self.token_file is not None:
+            return Path(self.token_file).read_text().strip() or None
+        return None
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"listen must be host:port, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+class Config(_Section):
+    router_id: str | None = None
+    listen: str = "127.0.0.1:8080"
+    model: str = Field(min_length=1)
+    engines: tuple[EngineConfig, ...]
+    serving: ServingConfig = ServingConfig()
+    engine: EngineSection = EngineSection()
+    controller: ControllerConfig = ControllerConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    handoff: HandoffConfig = HandoffConfig()
+    lease: LeaseConfig = LeaseConfig()
+    standby: StandbyConfig = StandbyConfig()
+    admin: AdminConfig = AdminConfig()
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _engines_list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        _parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _fleet(self) -> Self:
+        if not self.engines:
+            raise ValueError("engines: at least one engine is required")
+        seen_ids: set[str] = set()
+        seen_urls: set[str] = set()
+        for i, eng in enumerate(self.engines):
+            if eng.id in seen_ids:
+                raise ValueError(f"engines[{i}].id: duplicate engine id {eng.id!r}")
+            if eng.url in seen_urls:
+                raise ValueError(f"engines[{i}].url: duplicate engine url {eng.url!r}")
+            seen_ids.add(eng.id)
+            seen_urls.add(eng.url)
+        roles = {e.role for e in self.engines}
+        if Role.BOTH not in roles and roles != {Role.PREFILL, Role.DECODE}:
+            missing = ({Role.PREFILL, Role.DECODE} - roles).pop()
+            raise ValueError(f"engines: no engine has role {missing.value}")
+        return self
+
+    @property
+    def listen_host(self) -> str:
+        return _parse_listen(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return _parse_listen(self.listen)[1]
+
+    @property
+    def effective_router_id(self) -> str:
+        return self.router_id or self.listen
+
+
+_SUBKEY = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)*): (.*)$", re.S)
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        msg = err["msg"].removeprefix("Value error, ")
+        key = _key_path(loc)
+        # Model-level validators name their own sub-key ("engines[1].id: ...") in the message.
+        sub = _SUBKEY.match(msg)
+        if err["type"] == "value_error" and sub:
+            head = re.split(r"[.\[]", sub[1], maxsplit=1)[0]
+            if loc and loc[-1] == head:  # a field validator naming an item of its own field
+                loc = loc[:-1]
+            key = (
+                f"{_key_path(loc)}{'' if sub[1].startswith('[') else '.'}{sub[1]}"
+                if loc
+                else sub[1]
+            )
+            msg = sub[2]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        problems.append(f"{key}: {msg}")
+    return problems
+
+
+def parse_config(data: Any) -> Config:
+    """Validate already-parsed YAML data into a Config."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(["(top level): the configuration must be a mapping of keys"])
+    try:
+        return Config.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"(file): cannot read {path}: not UTF-8 ({exc.reason})"]) from None
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read {path}: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except _DuplicateKey as exc:
+        raise ConfigError([f"{exc.key}: duplicate key"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"(file): {path} is not valid YAML: {_yaml_problem(exc)}"]) from None
+    return parse_config(data)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(str(key))
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return problem

@@ -1,0 +1,1 @@
+"""Control plane: engine state, evidence, holds, probes, readmission and the monitor pass."""

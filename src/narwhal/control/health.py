@@ -1,0 +1,137 @@
+"""The `health` and `liveness` monitor stages.
+
+Health: `GET /health` on every engine not ejected, concurrently, over the control pool with
+`engine.health_timeout_s`; outcomes feed the evidence recorder. Liveness keeps its own
+per-engine miss counter: a sweep with no response at all is a miss, any successful health
+response resets it, and `recovery.liveness_misses` silent sweeps eject the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+
+import orjson
+
+from narwhal.config import Config
+from narwhal.control.evidence import EvidenceRecorder
+from narwhal.control.fleet import EngineState, Fleet
+from narwhal.control.lifecycle import Lifecycle
+from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind, classify_status
+from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
+from narwhal.telemetry.metrics import Metrics
+
+log = logging.getLogger("narwhal.health")
+
+
+class Answer(StrEnum):
+    OK = "ok"  # HTTP 200
+    ERROR = "error"  # some other HTTP status: alive, not healthy
+    SILENT = "silent"  # no response at all (refused, reset, timed out)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthResult:
+    answer: Answer
+    failure: EngineFailure | None = None
+
+
+async def check_health(
+    client: EngineClient, engine: EngineState, timeout_s: float, api_key: str | None
+) -> HealthResult:
+    """One health probe over the control pool, classified."""
+    try:
+        reply = await client.get(
+            PoolKind.CONTROL,
+            engine.config.url + "/health",
+            timeout_s,
+            headers=engine_headers(api_key, None),
+        )
+    except EngineFailure as exc:
+        return HealthResult(Answer.SILENT, exc)
+    if reply.status == 200:
+        return HealthResult(Answer.OK)
+    cls = classify_status(reply.status) or FailureClass.INFERENCE_STATUS
+    return HealthResult(
+        Answer.ERROR,
+        EngineFailure(cls, f"health answered HTTP {reply.status}", status=reply.status),
+    )
+
+
+class HealthStages:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        client: EngineClient,
+        evidence: EvidenceRecorder,
+        lifecycle: Lifecycle,
+        metrics: Metrics,
+    ) -> None:
+        self._cfg = config
+        self._fleet = fleet
+        self._client = client
+        self._evidence = evidence
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
+        self._last: dict[str, HealthResult] | None = None
+
+    async def health(self, now: float) -> None:
+        self._last = None
+        engines = [e for e in self._fleet if e.ejected is None]
+        timeout = self._cfg.engine.health_timeout_s
+        results = await asyncio.gather(
+            *(check_health(self._client, e, timeout, self._api_keys[e.id]) for e in engines)
+        )
+        self._last = {}
+        for engine, result in zip(engines, results, strict=True):
+            self._last[engine.id] = result
+            self._metrics.health_checks.labels(engine.id, result.answer.value).inc()
+            if result.answer is Answer.OK:
+                self._evidence.success(engine.id, SuccessKind.HEALTH_OK, "health")
+                self._lifecycle.health_ok(engine, now)
+            else:
+                assert result.failure is not None
+                self._evidence.failure(engine.id, result.failure, "health")
+        await self._learn_model_limits(
+            [e for e in engines if e.max_model_len is None and self._last[e.id].answer is Answer.OK]
+        )
+
+    async def _learn_model_limits(self, engines: list[EngineState]) -> None:
+        """Read `max_model_len` from `/v1/models` once per engine, for prompt-length checks."""
+        for engine in engines:
+            try:
+                reply = await self._client.get(
+                    PoolKind.CONTROL,
+                    engine.config.url + "/v1/models",
+                    self._cfg.engine.health_timeout_s,
+                    headers=engine_headers(self._api_keys[engine.id], None),
+                )
+                data = orjson.loads(reply.body)["data"]
+                limit = next(m.get("max_model_len") for m in data if m.get("id") == self._cfg.model)
+            except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, StopIteration):
+                continue
+            if isinstance(limit, int) and limit > 0:
+                engine.max_model_len = limit
+
+    async def liveness(self, now: float) -> None:
+        results = self._last
+        if results is None:
+            return  # the health stage itself failed: no sweep happened, nothing to count
+        limit = self._cfg.recovery.liveness_misses
+        for engine_id, result in results.items():
+            engine = self._fleet.get(engine_id)
+            if engine.ejected is not None:
+                continue
+            if result.answer is Answer.SILENT:
+                engine.liveness_misses += 1
+                if engine.liveness_misses >= limit:
+                    self._lifecycle.eject(
+                        engine, "liveness", f"{engine.liveness_misses} silent health sweeps", now
+                    )
+            elif result.answer is Answer.OK:
+                engine.liveness_misses = 0
+            self._metrics.liveness_misses.labels(engine_id).set(engine.liveness_misses)

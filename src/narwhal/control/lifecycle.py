@@ -1,0 +1,112 @@
+"""Engine lifecycle changes: ejection, holds, readmission — all through `Fleet.transition`.
+
+These are the edge where decisions (evidence actions, probes, operator requests) become
+state; each change is logged `from -> to (reason)` and counted once.
+"""
+
+from __future__ import annotations
+
+from narwhal.clock import Clock
+from narwhal.config import Config
+from narwhal.control.fleet import Ejection, EngineState, Fleet
+from narwhal.control.holds import Hold, HoldName
+from narwhal.telemetry.metrics import Metrics
+
+
+class Lifecycle:
+    def __init__(self, config: Config, fleet: Fleet, metrics: Metrics, clock: Clock) -> None:
+        self._cfg = config
+        self._fleet = fleet
+        self._metrics = metrics
+        self._clock = clock
+        fleet.on_transition(self._count)
+
+    def _count(self, engine: EngineState, before: str, after: str, reason: str) -> None:
+        if before != after:
+            self._metrics.transitions.labels(engine.id, after.split("(")[0]).inc()
+        for name in HoldName:
+            self._metrics.holds_active.labels(engine.id, name.value).set(
+                1 if name in engine.holds else 0
+            )
+
+    def eject(self, engine: EngineState, cause: str, reason: str, now: float) -> None:
+        """Take an engine out of placement (a confirmed failure: no last-engine protection)."""
+        if engine.ejected is not None:
+            return
+        record = Ejection(
+            cause, reason, self._clock.wall(), {k.value: v for k, v in engine.evidence.items()}
+        )
+        quarantine_s = self._cfg.recovery.failure_quarantine_s
+
+        def change(e: EngineState) -> None:
+            e.ejected = record
+            if quarantine_s is not None:
+                e.holds[HoldName.FAILURE_QUARANTINE] = self._temporary(
+                    HoldName.FAILURE_QUARANTINE, f"{cause}: {reason}", now, quarantine_s
+                )
+
+        self._fleet.transition(engine, now, f"ejected: {cause}: {reason}", change)
+        self._metrics.ejections.labels(engine.id, cause).inc()
+
+    def _temporary(self, name: HoldName, reason: str, now: float, duration_s: float) -> Hold:
+        wall = self._clock.wall()
+        return Hold(
+            name, reason, wall, deadline_mono=now + duration_s, deadline_wall=wall + duration_s
+        )
+
+    def hold(
+        self,
+        engine: EngineState,
+        name: HoldName,
+        reason: str,
+        now: float,
+        duration_s: float | None = None,
+    ) -> None:
+        if name in engine.holds and not engine.holds[name].expired(now):
+            return
+        hold = (
+            self._temporary(name, reason, now, duration_s)
+            if duration_s is not None
+            else Hold(name, reason, self._clock.wall())
+        )
+        self._fleet.transition(
+            engine, now, f"hold {name.value}: {reason}", lambda e: e.holds.__setitem__(name, hold)
+        )
+
+    def release(self, engine: EngineState, name: HoldName, reason: str, now: float) -> None:
+        if name not in engine.holds:
+            return
+        self._fleet.transition(
+            engine, now, f"release {name.value}: {reason}", lambda e: _drop(e, name)
+        )
+
+    def health_ok(self, engine: EngineState, now: float) -> None:
+        """A successful health response clears a failure quarantine, never a drain."""
+        self.release(engine, HoldName.FAILURE_QUARANTINE, "health 200", now)
+
+    def expire_holds(self, engine: EngineState, now: float) -> None:
+        """Drop holds whose deadline passed (selection already ignores them)."""
+        for hold in list(engine.holds.values()):
+            if hold.expired(now):
+                self.release(engine, hold.name, "deadline passed", now)
+
+    def readmit(self, engine: EngineState, reason: str, now: float) -> None:
+        """Return an engine to placement after verification; clears evidence and drains."""
+
+        def change(e: EngineState) -> None:
+            e.ejected = None
+            e.evidence.clear()
+            e.liveness_misses = 0
+            for name in (
+                HoldName.OPERATOR_DRAIN,
+                HoldName.PLANNED_MAINTENANCE,
+                HoldName.INFERENCE_VERIFICATION,
+                HoldName.FAILURE_QUARANTINE,
+            ):
+                e.holds.pop(name, None)
+
+        self._fleet.transition(engine, now, f"readmitted: {reason}", change)
+
+
+def _drop(engine: EngineState, name: HoldName) -> None:
+    engine.holds.pop(name, None)

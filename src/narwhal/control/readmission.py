@@ -1,0 +1,146 @@
+"""Readmission: ejected engines come back only after verification, retried with backoff.
+
+Steps run in order over the control pool and stop at the first failure, which is reported
+with its step name and reason: health, model identity, generation identity, final health.
+(Attestation and the functional KV-role check are added by the readmission work.)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from narwhal.config import Config
+from narwhal.control.fleet import EngineState, Fleet
+from narwhal.control.health import Answer, check_health
+from narwhal.control.lifecycle import Lifecycle
+from narwhal.engine.failures import EngineFailure
+from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
+from narwhal.telemetry.metrics import Metrics
+
+log = logging.getLogger("narwhal.readmission")
+
+_START_TIME = re.compile(rb"^process_start_time_seconds\s+([0-9.eE+]+)\s*$", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: str
+    ok: bool
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "ok": self.ok, "reason": self.reason}
+
+
+def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Exponential backoff with a cap and full jitter in [delay/2, delay]."""
+    delay = min(cap_s, base_s * 2.0 ** max(0, attempt - 1))
+    return delay / 2 + rng.random() * delay / 2
+
+
+class Readmission:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        client: EngineClient,
+        lifecycle: Lifecycle,
+        metrics: Metrics,
+        rng: random.Random,
+    ) -> None:
+        self._cfg = config
+        self._fleet = fleet
+        self._client = client
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._rng = rng
+        self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
+        self._next_try: dict[str, float] = {}
+        self._attempts: dict[str, int] = {}
+        self.last_results: dict[str, list[StepResult]] = {}
+
+    async def stage(self, now: float) -> None:
+        """Retry due ejected engines."""
+        for engine in self._fleet:
+            if engine.ejected is None:
+                self._next_try.pop(engine.id, None)
+                self._attempts.pop(engine.id, None)
+                continue
+            if now < self._next_try.get(engine.id, 0.0):
+                continue
+            results = await self.verify(engine)
+            if all(r.ok for r in results):
+                self._lifecycle.readmit(engine, "verified", now)
+            else:
+                n = self._attempts.get(engine.id, 0) + 1
+                self._attempts[engine.id] = n
+                interval = self._cfg.controller.monitor_interval_s
+                self._next_try[engine.id] = now + backoff_s(n, interval, 30 * interval, self._rng)
+
+    async def verify(self, engine: EngineState) -> list[StepResult]:
+        results: list[StepResult] = []
+        steps = (
+            ("health", self._health),
+            ("model_identity", self._model),
+            ("generation_identity", self._generation),
+            ("final_health", self._health),
+        )
+        for name, step in steps:
+            ok, reason = await step(engine)
+            results.append(StepResult(name, ok, reason))
+            result = "ok" if ok else "failed"
+            self._metrics.probes.labels(engine.id, f"readmission:{name}", result).inc()
+            if not ok:
+                log.info("engine %s readmission failed at %s: %s", engine.id, name, reason)
+                break
+        self.last_results[engine.id] = results
+        return results
+
+    async def _health(self, engine: EngineState) -> tuple[bool, str]:
+        result = await check_health(
+            self._client, engine, self._cfg.engine.health_timeout_s, self._api_keys[engine.id]
+        )
+        if result.answer is Answer.OK:
+            return True, "health 200"
+        assert result.failure is not None
+        return False, result.failure.detail
+
+    async def _model(self, engine: EngineState) -> tuple[bool, str]:
+        try:
+            reply = await self._client.get(
+                PoolKind.CONTROL,
+                engine.config.url + "/v1/models",
+                self._cfg.engine.probe_timeout_s,
+                headers=engine_headers(self._api_keys[engine.id], None),
+            )
+            models = [m.get("id") for m in orjson.loads(reply.body)["data"]]
+        except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            return False, f"cannot read /v1/models: {exc}"
+        if self._cfg.model not in models:
+            return False, f"serves {models}, not {self._cfg.model!r}"
+        return True, f"serves {self._cfg.model!r}"
+
+    async def _generation(self, engine: EngineState) -> tuple[bool, str]:
+        try:
+            reply = await self._client.get(
+                PoolKind.CONTROL,
+                engine.config.url + "/metrics",
+                self._cfg.engine.probe_timeout_s,
+                headers=engine_headers(self._api_keys[engine.id], None),
+            )
+        except EngineFailure as exc:
+            return False, f"cannot read /metrics: {exc.detail}"
+        match = _START_TIME.search(reply.body)
+        if match is None:
+            return False, "process_start_time_seconds missing from /metrics"
+        generation = float(match[1])
+        if engine.generation is not None and generation < engine.generation:
+            return False, f"generation {generation} is older than last seen {engine.generation}"
+        engine.generation = generation
+        return True, f"generation {generation}"

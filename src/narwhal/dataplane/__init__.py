@@ -1,0 +1,1 @@
+"""Data plane: the OpenAI-compatible prefill -> decode request path."""

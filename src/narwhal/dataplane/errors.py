@@ -1,0 +1,34 @@
+"""OpenAI-shaped error responses, for bodies and for SSE streams."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+
+def error_body(message: str, type_: str, code: int | str | None, param: str | None = None) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
+
+
+def openai_error(
+    status: int,
+    message: str,
+    type_: str,
+    *,
+    param: str | None = None,
+    retry_after_s: int | None = None,
+) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return web.Response(
+        status=status,
+        body=error_body(message, type_, status, param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(message: str, type_: str, code: int) -> bytes:
+    """The event that ends a client's stream after a failure (no `[DONE]` follows)."""
+    return b"data: " + error_body(message, type_, code) + b"\n\n"

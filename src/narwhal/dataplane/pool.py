@@ -1,0 +1,62 @@
+"""A hard bound on connections in use, with an optional bounded wait queue.
+
+The aiohttp connector holds the sockets; this gate decides who may use one, so saturation
+is visible (503) instead of an unbounded wait inside the HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class PoolExhausted(Exception):
+    """No connection free (and no room or time to wait for one)."""
+
+
+class Pool:
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.in_use = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def try_acquire(self) -> bool:
+        if self.in_use < self.limit and not self._waiters:
+            self.in_use += 1
+            return True
+        return False
+
+    async def acquire(self, timeout_s: float, queue_limit: int) -> None:
+        """Take a slot, waiting at most `timeout_s` behind at most `queue_limit` others."""
+        if self.try_acquire():
+            return
+        if len(self._waiters) >= queue_limit or timeout_s <= 0:
+            raise PoolExhausted(f"{self.name} pool exhausted")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await fut
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():
+                self.release()  # the slot was handed to us just as we gave up
+            else:
+                fut.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+            if isinstance(exc, TimeoutError):
+                raise PoolExhausted(f"{self.name} pool exhausted") from None
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # hand the slot over: in_use stays the same
+                return
+        self.in_use -= 1

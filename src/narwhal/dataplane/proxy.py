@@ -1,0 +1,553 @@
+"""The request path: admission, validation, placement, the prefill leg, the decode leg.
+
+Each leg's outcome is classified once and reported to the evidence sink. A proxied stream
+owns its accounting: in-flight counts and evidence are recorded exactly once whether the
+stream ends, fails, or the client leaves (a client that leaves records nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from narwhal.clock import Clock
+from narwhal.config import Config, Role
+from narwhal.control.admission import Admission
+from narwhal.control.evidence_sink import EvidenceSink
+from narwhal.control.fleet import EngineState, Fleet
+from narwhal.dataplane.errors import openai_error, sse_error_event
+from narwhal.dataplane.placement import least_in_flight
+from narwhal.dataplane.pool import Pool, PoolExhausted
+from narwhal.dataplane.requests import BadRequest, ClientRequest, Endpoint, parse_request
+from narwhal.dataplane.sse import SseScanner
+from narwhal.dataplane.tokens import TokenBudget
+from narwhal.engine import vllm
+from narwhal.engine.failures import (
+    ClientError,
+    EngineFailure,
+    FailureClass,
+    SuccessKind,
+    classify_status,
+)
+from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
+from narwhal.telemetry.metrics import Metrics
+
+log = logging.getLogger("narwhal.proxy")
+
+PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+
+
+class NoCapacity(Exception):
+    def __init__(self, role: Role) -> None:
+        super().__init__(f"no capacity: {role.value}")
+        self.role = role
+
+
+class Saturated(Exception):
+    """The chosen engine or the data pool cannot take the request now."""
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing is recorded against any engine."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's own deadline ran out while the engine was making progress."""
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One prefill/decode attempt; `started` flips once a byte reached the client."""
+
+    request_id: str
+    started: bool = False
+
+
+class DataPlane:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        client: EngineClient,
+        evidence: EvidenceSink,
+        metrics: Metrics,
+        clock: Clock,
+        admission: Admission,
+        new_request_id: Callable[[], str],
+    ) -> None:
+        self._cfg = config
+        self._serving = config.serving
+        self._fleet = fleet
+        self._client = client
+        self._evidence = evidence
+        self._metrics = metrics
+        self._clock = clock
+        self._admission = admission
+        self._new_id = new_request_id
+        self.pool = Pool("data", config.serving.max_connections)
+        self._tokens = TokenBudget(config.serving.token_count_cache_size)
+        self._rotation = 0
+        self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
+        metrics.pool_limit.labels("data").set(config.serving.max_connections)
+        metrics.pool_limit.labels("control").set(config.engine.control_connections)
+
+    # ---------------------------------------------------------------- entry point
+    async def handle(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
+        start = self._clock.monotonic()
+        outcome = "ok"
+        try:
+            response = await self._handle(endpoint, request, start)
+            outcome = getattr(response, "_narwhal_outcome", "ok")
+            return response
+        except asyncio.CancelledError:
+            outcome = "client_disconnect"
+            raise
+        finally:
+            self._metrics.requests.labels(endpoint, outcome).inc()
+            self._metrics.total_latency.labels(endpoint).observe(self._clock.monotonic() - start)
+
+    async def _handle(
+        self, endpoint: Endpoint, request: web.Request, start: float
+    ) -> web.StreamResponse:
+        closed = self._admission.closed_reason()
+        if closed is not None:
+            return _tag(
+                openai_error(
+                    503, f"not admitting requests: {closed}", "service_unavailable", retry_after_s=1
+                ),
+                "not_admitted",
+            )
+        try:
+            raw = await self._read_body(request)
+            req = parse_request(endpoint, raw, self._cfg.model)
+        except BadRequest as exc:
+            return _tag(
+                openai_error(exc.status, exc.message, exc.type, param=exc.param), "bad_request"
+            )
+        deadline = start + self._serving.request_timeout_s
+        bounded = self._serving.policy == "bounded"
+        try:
+            if bounded:
+                await self.pool.acquire(
+                    deadline - self._clock.monotonic(), self._serving.queue_limit
+                )
+            elif not self.pool.try_acquire():
+                raise PoolExhausted("data pool exhausted")
+        except PoolExhausted:
+            return _tag(
+                openai_error(
+                    503,
+                    "server saturated: no data connection available",
+                    "service_unavailable",
+                    retry_after_s=1,
+                ),
+                "saturated",
+            )
+        self._metrics.pool_in_use.labels("data").set(self.pool.in_use)
+        try:
+            return await self._serve(req, request, deadline)
+        finally:
+            self.pool.release()
+            self._metrics.pool_in_use.labels("data").set(self.pool.in_use)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self._serving.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(413, f"request body exceeds {limit} bytes")
+        raw = await request.content.read(limit + 1)
+        if len(raw) > limit:
+            raise BadRequest(413, f"request body exceeds {limit} bytes")
+        return raw
+
+    # ---------------------------------------------------------------- policy
+    async def _serve(
+        self, req: ClientRequest, request: web.Request, deadline: float
+    ) -> web.StreamResponse:
+        attempts = self._serving.max_attempts if self._serving.policy == "bounded" else 1
+        tried: set[str] = set()
+        last: Exception | None = None
+        for number in range(attempts):
+            if number and self._clock.monotonic() >= deadline:
+                break
+            attempt = _Attempt(self._new_id())
+            try:
+                if number == 0:
+                    await self._check_tokens(req, deadline, attempt)
+                return await self._attempt(req, request, deadline, attempt, tried)
+            except BadRequest as exc:
+                return _tag(
+                    openai_error(exc.status, exc.message, exc.type, param=exc.param), "bad_request"
+                )
+            except ClientError as exc:
+                return _tag(
+                    web.Response(
+                        status=exc.status,
+                        body=exc.body,
+                        content_type=exc.content_type or "application/json",
+                    ),
+                    "client_error",
+                )
+            except (EngineFailure, Saturated) as exc:
+                last = exc
+                if attempt.started:
+                    break
+                if number + 1 < attempts:
+                    self._metrics.retries.labels(_reason(exc)).inc()
+            except NoCapacity as exc:
+                return _tag(
+                    openai_error(503, str(exc), "service_unavailable", retry_after_s=1),
+                    "no_capacity",
+                )
+            except DeadlineExceeded:
+                return _tag(openai_error(504, "request deadline exceeded", "timeout"), "deadline")
+        return _failure_response(last)
+
+    async def _check_tokens(self, req: ClientRequest, deadline: float, attempt: _Attempt) -> None:
+        limits = [e.max_model_len for e in self._fleet if e.max_model_len is not None]
+
+        async def count(r: ClientRequest) -> int | None:
+            role = self._fleet.needed_roles()[0]
+            engine_id = least_in_flight(self._fleet.candidates(role, self._clock.monotonic()), 0)
+            if engine_id is None:
+                return None
+            body: dict[str, Any] = {"model": self._cfg.model}
+            if r.endpoint == "chat":
+                body["messages"] = r.body["messages"]
+            else:
+                body["prompt"] = r.body["prompt"]
+            engine = self._fleet.get(engine_id)
+            try:
+                reply = await self._client.post(
+                    PoolKind.DATA,
+                    engine.config.url + "/tokenize",
+                    orjson.dumps(body),
+                    engine_headers(self._api_keys[engine_id], attempt.request_id),
+                    max(
+                        0.0,
+                        min(
+                            self._serving.first_token_timeout_s, deadline - self._clock.monotonic()
+                        ),
+                    ),
+                )
+                if reply.status != 200:
+                    return None
+                value = orjson.loads(reply.body).get("count")
+                return value if isinstance(value, int) else None
+            except (EngineFailure, orjson.JSONDecodeError, AttributeError):
+                return None
+
+        result = await self._tokens.check(req, min(limits) if limits else None, count)
+        self._metrics.token_checks.labels(result.verdict.value).inc()
+
+    # ---------------------------------------------------------------- one attempt
+    def _place(self, role: Role, tried: set[str]) -> EngineState:
+        candidates = self._fleet.candidates(role, self._clock.monotonic())
+        self._rotation += 1
+        engine_id = least_in_flight(candidates, self._rotation, exclude=tried)
+        if engine_id is None:
+            engine_id = least_in_flight(candidates, self._rotation)
+        if engine_id is None:
+            raise NoCapacity(role)
+        return self._fleet.get(engine_id)
+
+    @contextmanager
+    def _in_flight(self, engine: EngineState) -> Iterator[None]:
+        engine.in_flight += 1
+        self._metrics.in_flight.labels(engine.id).set(engine.in_flight)
+        try:
+            yield
+        finally:
+            engine.in_flight -= 1
+            self._metrics.in_flight.labels(engine.id).set(engine.in_flight)
+
+    def _fail(self, engine: EngineState, leg: str, failure: EngineFailure) -> EngineFailure:
+        self._metrics.leg_outcomes.labels(engine.id, leg, failure.failure_class.value).inc()
+        self._evidence.failure(engine.id, failure, leg)
+        return failure
+
+    def _succeed(self, engine: EngineState, leg: str, kind: SuccessKind) -> None:
+        self._metrics.leg_outcomes.labels(engine.id, leg, kind.value).inc()
+        self._evidence.success(engine.id, kind, leg)
+
+    def _status_failure(
+        self, engine: EngineState, leg: str, status: int, body: bytes, content_type: str
+    ) -> Exception:
+        failure_class = classify_status(status)
+        if failure_class is None:
+            self._succeed(engine, leg, SuccessKind.CLIENT_4XX)
+            return ClientError(status, body, content_type)
+        failure = self._fail(
+            engine, leg, EngineFailure(failure_class, f"HTTP {status}", status=status)
+        )
+        if failure_class is FailureClass.OVERLOAD:
+            return Saturated(f"engine {engine.id} answered {status}")
+        return failure
+
+    async def _attempt(
+        self,
+        req: ClientRequest,
+        request: web.Request,
+        deadline: float,
+        attempt: _Attempt,
+        tried: set[str],
+    ) -> web.StreamResponse:
+        roles = self._fleet.needed_roles()
+        if roles == (Role.BOTH,):
+            engine = self._place(Role.BOTH, tried)
+            tried.add(engine.id)
+            return await self._final_leg(
+                req, request, deadline, attempt, engine, req.body, "unified"
+            )
+        prefill = self._place(Role.PREFILL, tried)
+        tried.add(prefill.id)
+        result = await self._prefill_leg(req, deadline, attempt, prefill)
+        if isinstance(result, web.StreamResponse):
+            return result
+        decode = self._place(Role.DECODE, tried)
+        tried.add(decode.id)
+        return await self._final_leg(
+            req, request, deadline, attempt, decode, vllm.decode_body(req.body, result), "decode"
+        )
+
+    async def _prefill_leg(
+        self, req: ClientRequest, deadline: float, attempt: _Attempt, engine: EngineState
+    ) -> vllm.Handoff | web.StreamResponse:
+        body = orjson.dumps(vllm.prefill_body(req.body))
+        remaining = deadline - self._clock.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded()
+        limit = min(self._serving.first_token_timeout_s, remaining)
+        with self._in_flight(engine):
+            try:
+                reply = await self._client.post(
+                    PoolKind.DATA,
+                    engine.config.url + PATHS[req.endpoint],
+                    body,
+                    engine_headers(self._api_keys[engine.id], attempt.request_id),
+                    limit,
+                    timeout_class=FailureClass.STREAM,
+                )
+            except EngineFailure as exc:
+                raise self._fail(engine, "prefill", exc) from None
+        if reply.status != 200:
+            raise self._status_failure(
+                engine, "prefill", reply.status, reply.body, reply.content_type
+            )
+        try:
+            parsed = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        result = vllm.extract_handoff(parsed)
+        if isinstance(result, vllm.Unreadable):
+            raise self._fail(
+                engine, "prefill", EngineFailure(FailureClass.KV_HANDOFF, result.reason)
+            )
+        if isinstance(result, vllm.FinishedInPrefill):
+            self._succeed(engine, "prefill", SuccessKind.PREFILL_FINISHED)
+            assert isinstance(parsed, dict)
+            return _finished_response(req, parsed)
+        self._succeed(engine, "prefill", SuccessKind.PREFILL_HANDOFF)
+        return result
+
+    async def _final_leg(
+        self,
+        req: ClientRequest,
+        request: web.Request,
+        deadline: float,
+        attempt: _Attempt,
+        engine: EngineState,
+        body: dict[str, Any],
+        leg: str,
+    ) -> web.StreamResponse:
+        data = orjson.dumps(body)
+        url = engine.config.url + PATHS[req.endpoint]
+        headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+        with self._in_flight(engine):
+            if not req.stream:
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded()
+                try:
+                    reply = await self._client.post(PoolKind.DATA, url, data, headers, remaining)
+                except EngineFailure as exc:
+                    raise self._fail(engine, leg, exc) from None
+                if reply.status != 200:
+                    raise self._status_failure(
+                        engine, leg, reply.status, reply.body, reply.content_type
+                    )
+                self._succeed(engine, leg, SuccessKind.DECODE_DONE)
+                return web.Response(body=reply.body, content_type=reply.content_type)
+            return await self._stream(request, deadline, attempt, engine, url, data, headers, leg)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        deadline: float,
+        attempt: _Attempt,
+        engine: EngineState,
+        url: str,
+        data: bytes,
+        headers: dict[str, Any],
+        leg: str,
+    ) -> web.StreamResponse:
+        """Forward an SSE stream as bytes, with first-token, idle and request deadlines."""
+        loop = asyncio.get_running_loop()
+        # Deadlines on the loop's clock (what asyncio.timeout uses), derived from ours.
+        offset = loop.time() - self._clock.monotonic()
+        request_deadline = deadline + offset
+        first_deadline = min(loop.time() + self._serving.first_token_timeout_s, request_deadline)
+        idle_s = self._serving.stream_idle_timeout_s
+        client = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        scanner = SseScanner()
+        last_chunk = 0.0
+        session = self._client.session(PoolKind.DATA)
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout_at(first_deadline) as timer:
+                try:
+                    resp = await session.post(url, data=data, headers=headers)
+                    if resp.status != 200:
+                        body = await resp.read()
+                        raise self._status_failure(
+                            engine, leg, resp.status, body, resp.content_type
+                        )
+                    while True:
+                        timer.reschedule(
+                            first_deadline
+                            if not attempt.started
+                            else min(loop.time() + idle_s, request_deadline)
+                        )
+                        chunk = await resp.content.readany()
+                        timer.reschedule(None)
+                        if not chunk:
+                            break
+                        scanner.feed(chunk)
+                        if scanner.malformed:
+                            raise self._fail(
+                                engine,
+                                leg,
+                                EngineFailure(FailureClass.STREAM, "malformed SSE event"),
+                            )
+                        now = time.perf_counter()
+                        try:
+                            if not attempt.started:
+                                await client.prepare(request)
+                                attempt.started = True
+                                self._metrics.ttft.observe(
+                                    self._clock.monotonic()
+                                    - (deadline - self._serving.request_timeout_s)
+                                )
+                            else:
+                                self._metrics.inter_token.observe(now - last_chunk)
+                            await client.write(chunk)
+                        except _CLIENT_GONE:
+                            raise ClientGone() from None
+                        last_chunk = now
+                except (aiohttp.ClientError, OSError) as exc:
+                    raise self._fail(
+                        engine, leg, classify_exception(exc, FailureClass.STREAM)
+                    ) from None
+        except TimeoutError:
+            if loop.time() >= request_deadline - 1e-3 and attempt.started:
+                failure: Exception = DeadlineExceeded()
+            else:
+                which = "first-token deadline" if not attempt.started else "mid-stream silence"
+                failure = self._fail(engine, leg, EngineFailure(FailureClass.STREAM, which))
+            return await self._end_stream(client, attempt, failure)
+        except EngineFailure as exc:
+            return await self._end_stream(client, attempt, exc)
+        except ClientGone:
+            return _tag(client, "client_disconnect")
+        finally:
+            if resp is not None:
+                if scanner.done and resp.content.at_eof():
+                    resp.release()  # keep the connection for reuse
+                else:
+                    resp.close()  # the engine sees the disconnect and aborts
+        if not scanner.done:
+            failure = self._fail(
+                engine, leg, EngineFailure(FailureClass.STREAM, "stream ended without [DONE]")
+            )
+            return await self._end_stream(client, attempt, failure)
+        self._succeed(engine, leg, SuccessKind.DECODE_DONE)
+        await client.write_eof()
+        return client
+
+    async def _end_stream(
+        self, client: web.StreamResponse, attempt: _Attempt, failure: Exception
+    ) -> web.StreamResponse:
+        """Before the first byte, let the policy answer; after it, end with an error event."""
+        if not attempt.started:
+            raise failure
+        status, message = _status_for(failure)
+        try:
+            await client.write(sse_error_event(message, "upstream_error", status))
+            await client.write_eof()
+        except _CLIENT_GONE:
+            pass
+        return _tag(client, "upstream_error_midstream")
+
+
+def _tag(response: web.StreamResponse, outcome: str) -> web.StreamResponse:
+    response._narwhal_outcome = outcome  # type: ignore[attr-defined]
+    return response
+
+
+def _reason(exc: Exception) -> str:
+    return exc.failure_class.value if isinstance(exc, EngineFailure) else "saturated"
+
+
+def _status_for(exc: Exception | None) -> tuple[int, str]:
+    if isinstance(exc, DeadlineExceeded):
+        return 504, "request deadline exceeded"
+    if isinstance(exc, EngineFailure):
+        if exc.failure_class is FailureClass.TIMEOUT or exc.detail == "first-token deadline":
+            return 504, f"upstream timeout: {exc.detail}"
+        return 502, f"upstream failure ({exc.failure_class.value}): {exc.detail}"
+    return 502, "upstream failure"
+
+
+def _failure_response(exc: Exception | None) -> web.StreamResponse:
+    if isinstance(exc, Saturated):
+        return _tag(
+            openai_error(503, f"server saturated: {exc}", "service_unavailable", retry_after_s=1),
+            "saturated",
+        )
+    status, message = _status_for(exc)
+    outcome = "upstream_timeout" if status == 504 else "upstream_error"
+    return _tag(openai_error(status, message, "upstream_error"), outcome)
+
+
+def _finished_response(req: ClientRequest, parsed: dict[str, Any]) -> web.StreamResponse:
+    """The prefill's one token completed the request: answer it, as a stream if asked."""
+    parsed.pop("kv_transfer_params", None)
+    if not req.stream:
+        return web.Response(body=orjson.dumps(parsed), content_type="application/json")
+    choice = dict(parsed["choices"][0]) if parsed.get("choices") else {"index": 0}
+    chunk: dict[str, Any] = {k: parsed.get(k) for k in ("id", "created", "model")}
+    if req.endpoint == "chat":
+        message = choice.pop("message", None)
+        message = message if isinstance(message, dict) else {}
+        chunk["object"] = "chat.completion.chunk"
+        choice["delta"] = {"role": "assistant", "content": message.get("content") or ""}
+    else:
+        chunk["object"] = "text_completion"
+    chunk["choices"] = [choice]
+    events = [b"data: " + orjson.dumps(chunk) + b"\n\n"]
+    if req.include_usage and parsed.get("usage") is not None:
+        usage = {**chunk, "choices": [], "usage": parsed["usage"]}
+        events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return web.Response(body=b"".join(events), content_type="text/event-stream")

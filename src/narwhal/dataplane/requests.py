@@ -1,0 +1,147 @@
+"""Client request validation: bad input gets a precise OpenAI-style 4xx, never a 500."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from narwhal.engine.vllm import strip_client_kv_params
+
+Endpoint = Literal["completions", "chat"]
+
+
+class BadRequest(Exception):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, type_: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt_text: str | None  # for token counting; None when the prompt is token ids
+    prompt_token_count: int | None  # exact when the client sent token ids
+    message_count: int
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _optional_positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise BadRequest(400, f"'{key}' must be a positive integer", param=key)
+    return int(value)
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, int | None]:
+    if "prompt" not in body:
+        raise BadRequest(400, "'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return None, len(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0], None
+        if len(prompt) == 1 and isinstance(prompt[0], list) and all(_is_int(t) for t in prompt[0]):
+            return None, len(prompt[0])
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            raise BadRequest(
+                400,
+                "batched prompts are not supported; send one prompt per request",
+                param="prompt",
+            )
+    raise BadRequest(
+        400,
+        "'prompt' must be a string, a list of token ids, or a one-element list of either",
+        param="prompt",
+    )
+
+
+def _messages(body: dict[str, Any]) -> tuple[str, int]:
+    if "messages" not in body:
+        raise BadRequest(400, "'messages' is required", param="messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list", param="messages")
+    parts: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise BadRequest(
+                400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]"
+            )
+        content = msg.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.append(orjson.dumps(content).decode())
+        elif content is not None:
+            raise BadRequest(
+                400,
+                f"messages[{i}].content must be a string or a list of parts",
+                param=f"messages[{i}].content",
+            )
+    return "\n".join(parts), len(messages)
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:
+    """Validate a client body; raises BadRequest with the status the client should get."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    model = body.get("model", served_model)
+    if not isinstance(model, str):
+        raise BadRequest(400, "'model' must be a string", param="model")
+    if model != served_model:
+        raise BadRequest(
+            404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError"
+        )
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest(400, "'stream' must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest(400, "'stream_options' must be an object", param="stream_options")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise BadRequest(400, "only n=1 is supported", param="n")
+    max_tokens = _optional_positive_int(body, "max_tokens")
+    prompt_text: str | None
+    prompt_count: int | None = None
+    if endpoint == "chat":
+        max_tokens = _optional_positive_int(body, "max_completion_tokens") or max_tokens
+        prompt_text, message_count = _messages(body)
+    else:
+        prompt_text, prompt_count = _prompt(body)
+        message_count = 0
+    return ClientRequest(
+        endpoint=endpoint,
+        body=strip_client_kv_params(body),
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
+        max_tokens=max_tokens,
+        prompt_text=prompt_text,
+        prompt_token_count=prompt_count,
+        message_count=message_count,
+    )

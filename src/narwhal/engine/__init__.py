@@ -1,0 +1,1 @@
+"""Engine protocol: how Narwhal talks to inference engines and how their failures are classified."""

@@ -1,0 +1,122 @@
+"""HTTP to engines over two bounded pools, with every transport error classified here.
+
+The data pool serves prefill, decode and token counting; the control pool (health, probes,
+readmission) is a separate connector so data traffic can never starve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import aiohttp
+
+from narwhal.engine.failures import EngineFailure, FailureClass
+
+
+class PoolKind(StrEnum):
+    DATA = "data"
+    CONTROL = "control"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str
+
+
+def classify_exception(exc: BaseException, timeout_class: FailureClass) -> EngineFailure:
+    """Map a transport exception to the spec's failure classes."""
+    if isinstance(exc, EngineFailure):
+        return exc
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return EngineFailure(timeout_class, "deadline exceeded")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return EngineFailure(FailureClass.CONNECTION, f"connect failed: {exc.os_error}")
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
+        return EngineFailure(FailureClass.CONNECTION, f"connection lost: {exc}")
+    if isinstance(exc, aiohttp.ClientError | OSError):
+        return EngineFailure(FailureClass.CONNECTION, f"{type(exc).__name__}: {exc}")
+    raise exc
+
+
+def _connector(limit: int) -> aiohttp.TCPConnector:
+    return aiohttp.TCPConnector(
+        limit=limit,
+        limit_per_host=0,
+        keepalive_timeout=30,
+        enable_cleanup_closed=False,
+        family=socket.AF_UNSPEC,
+    )
+
+
+class EngineClient:
+    """Owns the two aiohttp sessions; created and closed inside the running loop."""
+
+    def __init__(self, data_limit: int, control_limit: int) -> None:
+        self._limits = {PoolKind.DATA: data_limit, PoolKind.CONTROL: control_limit}
+        self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
+
+    async def start(self) -> None:
+        for kind, limit in self._limits.items():
+            self._sessions[kind] = aiohttp.ClientSession(
+                connector=_connector(limit),
+                timeout=aiohttp.ClientTimeout(total=None),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+        self._sessions.clear()
+
+    def session(self, pool: PoolKind) -> aiohttp.ClientSession:
+        return self._sessions[pool]
+
+    async def post(
+        self,
+        pool: PoolKind,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float,
+        timeout_class: FailureClass = FailureClass.TIMEOUT,
+    ) -> Reply:
+        """POST and read the whole reply; raises EngineFailure on transport trouble."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._sessions[pool].post(url, data=body, headers=headers) as resp:
+                    data = await resp.read()
+                    return Reply(resp.status, data, resp.content_type)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise classify_exception(exc, timeout_class) from None
+
+    async def get(
+        self,
+        pool: PoolKind,
+        url: str,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._sessions[pool].get(url, headers=headers) as resp:
+                    data = await resp.read()
+                    return Reply(resp.status, data, resp.content_type)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise classify_exception(exc, FailureClass.TIMEOUT) from None
+
+
+def engine_headers(api_key: str | None, request_id: str | None) -> dict[str, Any]:
+    headers: dict[str, Any] = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return headers

@@ -1,0 +1,88 @@
+"""The router's HTTP surface: OpenAI endpoints, /health, /ready, /metrics and /admin."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from narwhal.dataplane.errors import openai_error
+
+if TYPE_CHECKING:
+    from narwhal.server import Router
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_routes(app: web.Application, router: Router) -> None:
+    dataplane = router.dataplane
+    token = router.config.admin.resolve_token()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await dataplane.handle("completions", request)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await dataplane.handle("chat", request)
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": router.config.model,
+                        "object": "model",
+                        "owned_by": "narwhal",
+                        "created": 0,
+                    }
+                ],
+            }
+        )
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok")
+
+    async def ready(request: web.Request) -> web.StreamResponse:
+        reason = router.ready()
+        if reason is None:
+            return web.Response(text="ready")
+        return web.Response(status=503, text=reason)
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        router.ready()
+        router.metrics.admitting.set(1 if router.admission.admitting else 0)
+        body = router.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    def admin(handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if token is not None:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                    return openai_error(401, "missing or wrong admin token", "unauthorized")
+            return await handler(request)
+
+        return guarded
+
+    async def admin_engines(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"engines": router.engines_json()})
+
+    async def admin_monitor(request: web.Request) -> web.StreamResponse:
+        return web.json_response(router.monitor.to_json())
+
+    async def admin_handoff(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {"path": str(router.handoff.path), "document": router.handoff.last_document}
+        )
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/engines", admin(admin_engines))
+    app.router.add_get("/admin/monitor", admin(admin_monitor))
+    app.router.add_get("/admin/handoff", admin(admin_handoff))

@@ -1,0 +1,222 @@
+"""The router: wires the data plane, the control plane and durable state into one app.
+
+`Router` owns every component (no globals) and runs the HTTP server and the monitor loop
+in one task group; shutdown is cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from narwhal.clock import Clock, SystemClock
+from narwhal.config import Config
+from narwhal.control.admission import Admission
+from narwhal.control.evidence import Action, EvidenceRecorder
+from narwhal.control.fleet import Fleet
+from narwhal.control.health import Answer, HealthStages, check_health
+from narwhal.control.holds import HoldName
+from narwhal.control.lifecycle import Lifecycle
+from narwhal.control.monitor import Monitor, Stage
+from narwhal.control.readiness import ready_reason
+from narwhal.control.readmission import Readmission
+from narwhal.control.stages import SmallStages
+from narwhal.dataplane.proxy import DataPlane
+from narwhal.engine.failures import FailureClass, SuccessKind
+from narwhal.engine.transport import EngineClient
+from narwhal.state.handoff import HandoffWriter
+from narwhal.telemetry.metrics import Metrics
+
+log = logging.getLogger("narwhal.router")
+
+
+class Router:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        stage_overrides: Mapping[str, Stage] | None = None,
+        new_request_id: Callable[[], str] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock or SystemClock()
+        self.metrics = Metrics()
+        self.fleet = Fleet(config.engines)
+        self.admission = Admission()
+        self.client = EngineClient(
+            config.serving.max_connections, config.engine.control_connections
+        )
+        self.evidence = EvidenceRecorder(self.fleet, self.metrics, config.recovery.eject_after)
+        self.lifecycle = Lifecycle(config, self.fleet, self.metrics, self.clock)
+        self.dataplane = DataPlane(
+            config,
+            self.fleet,
+            self.client,
+            self.evidence,
+            self.metrics,
+            self.clock,
+            self.admission,
+            new_request_id or (lambda: f"narwhal-{uuid.uuid4().hex}"),
+        )
+        self.health = HealthStages(
+            config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics
+        )
+        self.small = SmallStages(config, self.fleet, self.lifecycle, self.metrics)
+        self.readmission = Readmission(
+            config, self.fleet, self.client, self.lifecycle, self.metrics, rng or random.Random()
+        )
+        self.handoff = HandoffWriter(
+            Path(config.handoff.path),
+            config.effective_router_id,
+            self.fleet,
+            self.clock,
+            self._handoff_extra,
+        )
+        stages: dict[str, Stage] = {
+            "controller": self.small.controller,
+            "health": self.health.health,
+            "drains": self.small.drains,
+            "rollover": self.small.rollover,
+            "readmission": self.readmission.stage,
+            "liveness": self.health.liveness,
+            "telemetry": self.small.telemetry,
+            "handoff": self.handoff.stage,
+        }
+        stages.update(stage_overrides or {})
+        self.monitor = Monitor(
+            stages,
+            config.controller.monitor_failure_limit,
+            self.admission,
+            self.metrics,
+            self.clock,
+        )
+        self._tasks: asyncio.TaskGroup | None = None
+        self.evidence.on_action(self._on_evidence_action)
+
+    # ------------------------------------------------------------------ evidence actions
+    def _on_evidence_action(
+        self, engine_id: str, cls: FailureClass, action: Action, detail: str
+    ) -> None:
+        engine = self.fleet.get(engine_id)
+        now = self.clock.monotonic()
+        if action is Action.EJECT:
+            self.lifecycle.eject(engine, cls.value, f"{cls.value} streak: {detail}", now)
+        elif action is Action.HOLD_AND_PROBE:
+            self.lifecycle.hold(
+                engine, HoldName.INFERENCE_VERIFICATION, f"{cls.value} streak: {detail}", now
+            )
+        elif action is Action.HEALTH_PROBE and self._tasks is not None:
+            self._tasks.create_task(self._suspect_probe(engine_id, cls))
+
+    async def _suspect_probe(self, engine_id: str, cls: FailureClass) -> None:
+        """A timeout or overload streak: a failing health probe confirms it and ejects."""
+        engine = self.fleet.get(engine_id)
+        if engine.ejected is not None:
+            return
+        result = await check_health(
+            self.client,
+            engine,
+            self.config.engine.health_timeout_s,
+            engine.config.resolved_api_key(),
+        )
+        now = self.clock.monotonic()
+        self.metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
+        if result.answer is Answer.OK:
+            self.evidence.success(engine_id, SuccessKind.HEALTH_OK, "suspect_probe")
+        else:
+            detail = result.failure.detail if result.failure else "no answer"
+            self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {detail}", now)
+
+    # ------------------------------------------------------------------ state views
+    def _handoff_extra(self) -> dict[str, Any]:
+        return {
+            "consolidation_risk": self.small.risk,
+            "counters": {"monitor_passes": self.monitor.status.passes},
+            "lease": None,
+        }
+
+    def roles_without_capacity(self) -> list[Any]:
+        now = self.clock.monotonic()
+        return [r for r in self.fleet.needed_roles() if not self.fleet.candidates(r, now)]
+
+    def ready(self) -> str | None:
+        reason = ready_reason(
+            self.admission.reason("lease"),
+            self.admission.reason("monitor"),
+            self.roles_without_capacity(),
+        )
+        self.metrics.ready.set(0 if reason else 1)
+        return reason
+
+    def engines_json(self) -> list[dict[str, Any]]:
+        now = self.clock.monotonic()
+        out = []
+        for e in self.fleet:
+            out.append(
+                {
+                    "id": e.id,
+                    "url": e.config.url,
+                    "role": e.role.value,
+                    "kv_role": e.config.effective_kv_role.value,
+                    "eligible": self.fleet.eligible(e, now),
+                    "ejected": e.ejected.to_json() if e.ejected else None,
+                    "holds": [
+                        {
+                            "name": h.name.value,
+                            "reason": h.reason,
+                            "since": h.since_wall,
+                            "deadline": h.deadline_wall,
+                        }
+                        for h in e.active_holds(now)
+                    ],
+                    "evidence": {c.value: e.evidence.get(c, 0) for c in FailureClass},
+                    "liveness_misses": e.liveness_misses,
+                    "in_flight": e.in_flight,
+                    "generation": e.generation,
+                    "max_model_len": e.max_model_len,
+                    "drain_settled": e.id in self.small.drains_settled,
+                    "readmission": [
+                        r.to_json() for r in self.readmission.last_results.get(e.id, [])
+                    ],
+                }
+            )
+        return out
+
+    # ------------------------------------------------------------------ HTTP
+    def build_app(self) -> web.Application:
+        from narwhal.http_routes import add_routes
+
+        app = web.Application(client_max_size=self.config.serving.max_body_bytes + 1024)
+        add_routes(app, self)
+        return app
+
+    async def run(
+        self, host: str, port: int, on_ready: Callable[[int], None] | None = None
+    ) -> None:
+        """Serve until cancelled."""
+        await self.client.start()
+        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port, reuse_address=True)
+            await site.start()
+            bound = runner.addresses[0][1] if runner.addresses else port
+            log.info("narwhal listening on http://%s:%s", host, bound)
+            if on_ready is not None:
+                on_ready(bound)
+            async with asyncio.TaskGroup() as tg:
+                self._tasks = tg
+                tg.create_task(self.monitor.run_forever(self.config.controller.monitor_interval_s))
+        finally:
+            self._tasks = None
+            await runner.cleanup()
+            await self.client.close()

@@ -1,0 +1,1 @@
+"""Telemetry: Prometheus metrics and logs."""

@@ -1,0 +1,147 @@
+"""All of a router's Prometheus metrics, in a registry owned by that router (no globals).
+
+Names and labels are a contract documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "narwhal_requests",
+            "Client requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "narwhal_time_to_first_token_seconds",
+            "Time from request arrival to first token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.inter_token = Histogram(
+            "narwhal_inter_token_seconds",
+            "Time between streamed chunks",
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.total_latency = Histogram(
+            "narwhal_request_duration_seconds",
+            "Total request latency",
+            ["endpoint"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.leg_outcomes = Counter(
+            "narwhal_leg_outcomes",
+            "Engine leg outcomes: a failure class or a success kind",
+            ["engine", "leg", "outcome"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "narwhal_engine_failures",
+            "Engine failures by engine and class",
+            ["engine", "failure_class"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "narwhal_retries", "Bounded-policy retries by reason", ["reason"], registry=r
+        )
+        self.pool_in_use = Gauge(
+            "narwhal_pool_connections_in_use", "Connections in use by pool", ["pool"], registry=r
+        )
+        self.pool_limit = Gauge(
+            "narwhal_pool_connections_limit", "Pool bounds", ["pool"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "narwhal_queue_depth", "Requests waiting for a data connection", registry=r
+        )
+        self.in_flight = Gauge(
+            "narwhal_engine_in_flight", "Requests in flight per engine", ["engine"], registry=r
+        )
+        self.token_checks = Counter(
+            "narwhal_token_checks",
+            "Prompt-length checks by how they were decided",
+            ["result"],
+            registry=r,
+        )
+        self.transitions = Counter(
+            "narwhal_engine_transitions", "Engine state transitions", ["engine", "to"], registry=r
+        )
+        self.ejections = Counter(
+            "narwhal_ejections", "Ejections by engine and cause", ["engine", "cause"], registry=r
+        )
+        self.holds_active = Gauge(
+            "narwhal_holds_active",
+            "Active holds by engine and name",
+            ["engine", "hold"],
+            registry=r,
+        )
+        self.evidence_streak = Gauge(
+            "narwhal_evidence_streak",
+            "Current consecutive failure streak by engine and class",
+            ["engine", "failure_class"],
+            registry=r,
+        )
+        self.liveness_misses = Gauge(
+            "narwhal_liveness_misses", "Consecutive silent health sweeps", ["engine"], registry=r
+        )
+        self.monitor_stage_errors = Counter(
+            "narwhal_monitor_stage_errors",
+            "Monitor stage exceptions by stage and class",
+            ["stage", "exception"],
+            registry=r,
+        )
+        self.monitor_passes = Counter(
+            "narwhal_monitor_passes", "Monitor passes by result", ["result"], registry=r
+        )
+        self.monitor_failure_streak = Gauge(
+            "narwhal_monitor_failure_streak",
+            "Consecutive monitor passes with a stage error",
+            registry=r,
+        )
+        self.monitor_stage_seconds = Histogram(
+            "narwhal_monitor_stage_seconds",
+            "Monitor stage durations",
+            ["stage"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.admitting = Gauge(
+            "narwhal_admitting", "1 when new requests are admitted, else 0", registry=r
+        )
+        self.ready = Gauge("narwhal_ready", "1 when /ready answers 200", registry=r)
+        self.health_checks = Counter(
+            "narwhal_health_checks", "Health check results", ["engine", "result"], registry=r
+        )
+        self.probes = Counter(
+            "narwhal_probes",
+            "Probes by kind and result",
+            ["engine", "kind", "result"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
