@@ -77,6 +77,39 @@ def add_routes(app: web.Application, router: Router) -> None:
             {"path": str(router.handoff.path), "document": router.handoff.last_document}
         )
 
+    def engine_or_404(request: web.Request) -> str | web.Response:
+        engine_id = request.match_info["engine_id"]
+        if not router.fleet.has(engine_id):
+            return openai_error(404, f"no engine {engine_id!r}", "not_found_error")
+        return engine_id
+
+    async def drain(request: web.Request) -> web.StreamResponse:
+        found = engine_or_404(request)
+        if isinstance(found, web.Response):
+            return found
+        router.operator_drain(found)
+        return web.json_response({"engine": found, "hold": "operator_drain"})
+
+    async def maintenance(request: web.Request) -> web.StreamResponse:
+        found = engine_or_404(request)
+        if isinstance(found, web.Response):
+            return found
+        router.planned_maintenance(found)
+        return web.json_response({"engine": found, "hold": "planned_maintenance"})
+
+    async def readmit(request: web.Request) -> web.StreamResponse:
+        found = engine_or_404(request)
+        if isinstance(found, web.Response):
+            return found
+        steps = await router.operator_readmit(found)
+        ok = all(s["ok"] for s in steps)
+        return web.json_response(
+            {"engine": found, "readmitted": ok, "steps": steps}, status=200 if ok else 409
+        )
+
+    app.router.add_post("/admin/engines/{engine_id}/drain", admin(drain))
+    app.router.add_post("/admin/engines/{engine_id}/maintenance", admin(maintenance))
+    app.router.add_post("/admin/engines/{engine_id}/readmit", admin(readmit))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)

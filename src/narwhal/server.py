@@ -25,6 +25,7 @@ from narwhal.control.health import Answer, HealthStages, check_health
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.monitor import Monitor, Stage
+from narwhal.control.probes import InferenceProber
 from narwhal.control.readiness import ready_reason
 from narwhal.control.readmission import Readmission
 from narwhal.control.stages import SmallStages
@@ -81,9 +82,12 @@ class Router:
             self.clock,
             self._handoff_extra,
         )
+        self.prober = InferenceProber(
+            config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
+        )
         stages: dict[str, Stage] = {
             "controller": self.small.controller,
-            "health": self.health.health,
+            "health": self._health_stage,
             "drains": self.small.drains,
             "rollover": self.small.rollover,
             "readmission": self.readmission.stage,
@@ -101,6 +105,12 @@ class Router:
         )
         self._tasks: asyncio.TaskGroup | None = None
         self.evidence.on_action(self._on_evidence_action)
+
+    async def _health_stage(self, now: float) -> None:
+        """Health sweep, then (re)schedule inference probes for held engines."""
+        await self.health.health(now)
+        if self._tasks is not None:
+            self.prober.schedule(self._tasks.create_task)
 
     # ------------------------------------------------------------------ evidence actions
     def _on_evidence_action(
@@ -135,6 +145,32 @@ class Router:
         else:
             detail = result.failure.detail if result.failure else "no answer"
             self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {detail}", now)
+
+    # ------------------------------------------------------------------ operator actions
+    def operator_drain(self, engine_id: str) -> None:
+        engine = self.fleet.get(engine_id)
+        self.lifecycle.hold(
+            engine, HoldName.OPERATOR_DRAIN, "operator request", self.clock.monotonic()
+        )
+
+    def planned_maintenance(self, engine_id: str) -> None:
+        """Drain and require a strictly newer process generation before readmission."""
+        engine = self.fleet.get(engine_id)
+        self.lifecycle.hold(
+            engine,
+            HoldName.PLANNED_MAINTENANCE,
+            f"planned maintenance at generation {engine.generation}",
+            self.clock.monotonic(),
+        )
+        self.readmission.require_newer(engine)
+
+    async def operator_readmit(self, engine_id: str) -> list[dict[str, Any]]:
+        """Run the verification pipeline now; success readmits and clears drains."""
+        engine = self.fleet.get(engine_id)
+        results = await self.readmission.verify(engine)
+        if all(r.ok for r in results):
+            self.lifecycle.readmit(engine, "operator readmission verified", self.clock.monotonic())
+        return [r.to_json() for r in results]
 
     # ------------------------------------------------------------------ state views
     def _handoff_extra(self) -> dict[str, Any]:

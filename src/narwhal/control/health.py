@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -60,6 +61,15 @@ async def check_health(
     )
 
 
+_START_TIME = re.compile(rb"^process_start_time_seconds\s+([0-9.eE+]+)\s*$", re.M)
+
+
+def parse_generation(metrics_text: bytes) -> float | None:
+    """The process generation: `process_start_time_seconds` from Prometheus text."""
+    match = _START_TIME.search(metrics_text)
+    return float(match[1]) if match else None
+
+
 class HealthStages:
     def __init__(
         self,
@@ -96,9 +106,25 @@ class HealthStages:
             else:
                 assert result.failure is not None
                 self._evidence.failure(engine.id, result.failure, "health")
-        await self._learn_model_limits(
-            [e for e in engines if e.max_model_len is None and self._last[e.id].answer is Answer.OK]
-        )
+        healthy = [e for e in engines if self._last[e.id].answer is Answer.OK]
+        await self._learn_model_limits([e for e in healthy if e.max_model_len is None])
+        await self._learn_generations([e for e in healthy if e.generation is None])
+
+    async def _learn_generations(self, engines: list[EngineState]) -> None:
+        """Record each engine's process generation once, so maintenance can compare."""
+        for engine in engines:
+            try:
+                reply = await self._client.get(
+                    PoolKind.CONTROL,
+                    engine.config.url + "/metrics",
+                    self._cfg.engine.health_timeout_s,
+                    headers=engine_headers(self._api_keys[engine.id], None),
+                )
+            except EngineFailure:
+                continue
+            generation = parse_generation(reply.body)
+            if generation is not None:
+                engine.generation = generation
 
     async def _learn_model_limits(self, engines: list[EngineState]) -> None:
         """Read `max_model_len` from `/v1/models` once per engine, for prompt-length checks."""

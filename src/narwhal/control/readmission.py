@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,15 +16,14 @@ import orjson
 
 from narwhal.config import Config
 from narwhal.control.fleet import EngineState, Fleet
-from narwhal.control.health import Answer, check_health
+from narwhal.control.health import Answer, check_health, parse_generation
+from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.engine.failures import EngineFailure
 from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.readmission")
-
-_START_TIME = re.compile(rb"^process_start_time_seconds\s+([0-9.eE+]+)\s*$", re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +62,17 @@ class Readmission:
         self._next_try: dict[str, float] = {}
         self._attempts: dict[str, int] = {}
         self.last_results: dict[str, list[StepResult]] = {}
+        self._maintenance_generation: dict[str, float | None] = {}
+
+    def require_newer(self, engine: EngineState) -> None:
+        """Planned maintenance: readmission needs a process newer than the current one."""
+        self._maintenance_generation[engine.id] = engine.generation
 
     async def stage(self, now: float) -> None:
-        """Retry due ejected engines."""
+        """Retry due ejected engines and engines under planned maintenance."""
         for engine in self._fleet:
-            if engine.ejected is None:
+            maintenance = HoldName.PLANNED_MAINTENANCE in engine.holds
+            if engine.ejected is None and not maintenance:
                 self._next_try.pop(engine.id, None)
                 self._attempts.pop(engine.id, None)
                 continue
@@ -136,11 +140,14 @@ class Readmission:
             )
         except EngineFailure as exc:
             return False, f"cannot read /metrics: {exc.detail}"
-        match = _START_TIME.search(reply.body)
-        if match is None:
+        generation = parse_generation(reply.body)
+        if generation is None:
             return False, "process_start_time_seconds missing from /metrics"
-        generation = float(match[1])
         if engine.generation is not None and generation < engine.generation:
             return False, f"generation {generation} is older than last seen {engine.generation}"
+        if HoldName.PLANNED_MAINTENANCE in engine.holds:
+            before = self._maintenance_generation.get(engine.id, engine.generation)
+            if before is not None and generation <= before:
+                return False, f"planned maintenance needs a process newer than {before}"
         engine.generation = generation
         return True, f"generation {generation}"

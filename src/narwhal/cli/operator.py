@@ -1,0 +1,120 @@
+"""`narwhal`: the operator CLI over the router's admin API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class AdminError(Exception):
+    pass
+
+
+def _call(url: str, token: str | None, method: str, path: str) -> tuple[int, Any]:
+    request = urllib.request.Request(url.rstrip("/") + path, method=method)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        try:
+            return exc.code, json.loads(body)
+        except ValueError:
+            return exc.code, {"error": {"message": body.decode(errors="replace")}}
+    except (urllib.error.URLError, OSError) as exc:
+        raise AdminError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def _message(body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    return json.dumps(body)
+
+
+def _table(engines: list[dict[str, Any]]) -> str:
+    rows = [("ENGINE", "ROLE", "ELIGIBLE", "EJECTED", "HOLDS", "EVIDENCE", "LIVENESS", "IN-FLIGHT")]
+    for e in engines:
+        evidence = ",".join(f"{k}={v}" for k, v in e["evidence"].items() if v) or "-"
+        holds = ",".join(h["name"] for h in e["holds"]) or "-"
+        ejected = e["ejected"]["cause"] if e["ejected"] else "-"
+        rows.append(
+            (
+                e["id"],
+                e["role"],
+                "yes" if e["eligible"] else "no",
+                ejected,
+                holds,
+                evidence,
+                str(e["liveness_misses"]),
+                str(e["in_flight"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="narwhal", description=__doc__)
+    p.add_argument("--url", default=os.environ.get("NARWHAL_URL", "http://127.0.0.1:8080"))
+    p.add_argument("--token", default=os.environ.get("NARWHAL_ADMIN_TOKEN"))
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="engines, monitor and lease at a glance")
+    engines = sub.add_parser("engines", help="the engines as the router sees them")
+    engines.add_argument("--json", action="store_true")
+    for name in ("drain", "maintenance", "readmit"):
+        sub.add_parser(name, help=f"{name} an engine").add_argument("engine_id")
+    args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except AdminError as exc:
+        print(f"narwhal: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command in ("status", "engines"):
+        status, body = _call(args.url, args.token, "GET", "/admin/engines")
+        if status != 200:
+            print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
+            return EXIT_ERROR
+        if args.command == "engines" and args.json:
+            print(json.dumps(body, indent=2))
+            return 0
+        print(_table(body["engines"]))
+        if args.command == "status":
+            _, monitor = _call(args.url, args.token, "GET", "/admin/monitor")
+            print(
+                f"\nmonitor: streak {monitor['streak']}/{monitor['failure_limit']}, "
+                f"admitting: {'yes' if monitor['admitting'] else 'no'}"
+                + (f", {monitor['degraded']}" if monitor["degraded"] else "")
+            )
+        return 0
+    status, body = _call(
+        args.url, args.token, "POST", f"/admin/engines/{args.engine_id}/{args.command}"
+    )
+    if args.command == "readmit" and isinstance(body, dict) and "steps" in body:
+        for step in body["steps"]:
+            print(f"{'ok  ' if step['ok'] else 'FAIL'} {step['step']}: {step['reason']}")
+        print("readmitted" if body["readmitted"] else "not readmitted")
+        return 0 if body["readmitted"] else EXIT_ERROR
+    if status != 200:
+        print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"{args.engine_id}: {body.get('hold', 'ok')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
