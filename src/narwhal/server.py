@@ -104,6 +104,7 @@ class Router:
             self.clock,
         )
         self._tasks: asyncio.TaskGroup | None = None
+        self._suspects: set[str] = set()
         self.evidence.on_action(self._on_evidence_action)
 
     async def _health_stage(self, now: float) -> None:
@@ -125,7 +126,9 @@ class Router:
                 engine, HoldName.INFERENCE_VERIFICATION, f"{cls.value} streak: {detail}", now
             )
         elif action is Action.HEALTH_PROBE and self._tasks is not None:
-            self._tasks.create_task(self._suspect_probe(engine_id, cls))
+            if engine_id not in self._suspects:  # one suspect probe per engine at a time
+                self._suspects.add(engine_id)
+                self._tasks.create_task(self._suspect_probe(engine_id, cls))
 
     async def _suspect_probe(self, engine_id: str, cls: FailureClass) -> None:
         """A timeout or overload streak: a failing health probe confirms it and ejects."""
@@ -142,6 +145,7 @@ class Router:
         self.metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
         if result.answer is Answer.OK:
             self.evidence.success(engine_id, SuccessKind.HEALTH_OK, "suspect_probe")
+            self.lifecycle.health_ok(engine, now)
         else:
             detail = result.failure.detail if result.failure else "no answer"
             self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {detail}", now)

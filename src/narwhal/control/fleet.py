@@ -58,6 +58,9 @@ class EngineState:
     def active_holds(self, now: float) -> list[Hold]:
         return [h for h in self.holds.values() if not h.expired(now)]
 
+    def active_holds_by_name(self, now: float) -> set[HoldName]:
+        return {h.name for h in self.active_holds(now)}
+
     def status(self, now: float) -> str:
         """A one-word summary for transition logs."""
         if self.ejected is not None:

@@ -19,6 +19,7 @@ import orjson
 from narwhal.config import Config
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.fleet import EngineState, Fleet
+from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind, classify_status
 from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
@@ -91,7 +92,11 @@ class HealthStages:
 
     async def health(self, now: float) -> None:
         self._last = None
-        engines = [e for e in self._fleet if e.ejected is None]
+        engines = [
+            e
+            for e in self._fleet
+            if e.ejected is None or HoldName.FAILURE_QUARANTINE in e.active_holds_by_name(now)
+        ]
         timeout = self._cfg.engine.health_timeout_s
         results = await asyncio.gather(
             *(check_health(self._client, e, timeout, self._api_keys[e.id]) for e in engines)
@@ -103,7 +108,7 @@ class HealthStages:
             if result.answer is Answer.OK:
                 self._evidence.success(engine.id, SuccessKind.HEALTH_OK, "health")
                 self._lifecycle.health_ok(engine, now)
-            else:
+            elif engine.ejected is None:
                 assert result.failure is not None
                 self._evidence.failure(engine.id, result.failure, "health")
         healthy = [e for e in engines if self._last[e.id].answer is Answer.OK]

@@ -81,7 +81,12 @@ class Lifecycle:
         )
 
     def health_ok(self, engine: EngineState, now: float) -> None:
-        """A successful health response clears a failure quarantine, never a drain."""
+        """A successful health response resets liveness and clears a failure quarantine.
+
+        It never clears an operator drain (spec: drains survive successful health).
+        """
+        engine.liveness_misses = 0
+        self._metrics.liveness_misses.labels(engine.id).set(0)
         self.release(engine, HoldName.FAILURE_QUARANTINE, "health 200", now)
 
     def expire_holds(self, engine: EngineState, now: float) -> None:

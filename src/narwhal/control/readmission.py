@@ -78,6 +78,9 @@ class Readmission:
                 continue
             if now < self._next_try.get(engine.id, 0.0):
                 continue
+            quarantine = engine.holds.get(HoldName.FAILURE_QUARANTINE)
+            if quarantine is not None and not quarantine.expired(now):
+                continue  # quarantined until its deadline or a successful health check
             results = await self.verify(engine)
             if all(r.ok for r in results):
                 self._lifecycle.readmit(engine, "verified", now)

@@ -80,24 +80,22 @@ def _messages(body: dict[str, Any]) -> tuple[str, int]:
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list", param="messages")
-    parts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise BadRequest(
                 400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]"
             )
         content = msg.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.append(orjson.dumps(content).decode())
-        elif content is not None:
+        if content is not None and not isinstance(content, str | list):
             raise BadRequest(
                 400,
                 f"messages[{i}].content must be a string or a list of parts",
                 param=f"messages[{i}].content",
             )
-    return "\n".join(parts), len(messages)
+    # Everything a chat template can render (messages with tool calls, tools, functions),
+    # as JSON: its byte size bounds the prompt's token count from above.
+    rendered = [messages, body.get("tools"), body.get("functions")]
+    return orjson.dumps(rendered).decode(), len(messages)
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:

@@ -22,7 +22,8 @@ class SseScanner:
             self._tail = data
             return
         *complete, self._tail = data.split(b"\n\n")
-        for event in complete:
+        for raw in complete:
+            event = raw.lstrip(b"\r\n")  # extra blank lines between events are legal
             if self.done:
                 continue
             if event.startswith(b"data: {") and event.endswith(b"}"):

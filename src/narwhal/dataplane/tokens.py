@@ -54,9 +54,10 @@ class TokenBudget:
         """Raise BadRequest(400) when the prompt cannot fit the model."""
         if max_model_len is None:
             return TokenCheck(Verdict.UNKNOWN_LIMIT, None)
-        wanted = req.max_tokens or 0
+        # Every leg generates at least one token (the prefill asks for exactly one).
+        wanted = req.max_tokens or 1
         if req.prompt_token_count is not None:
-            self._enforce(req.prompt_token_count, wanted, max_model_len)
+            self._enforce(req.prompt_token_count, wanted, max_model_len, req)
             return TokenCheck(Verdict.EXACT, req.prompt_token_count)
         assert req.prompt_text is not None
         bound = (
@@ -70,7 +71,7 @@ class TokenBudget:
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
-            self._enforce(cached, wanted, max_model_len)
+            self._enforce(cached, wanted, max_model_len, req)
             return TokenCheck(Verdict.CACHED, cached)
         counted = await count(req)
         if counted is None:
@@ -79,11 +80,11 @@ class TokenBudget:
             self._cache[key] = counted
             if len(self._cache) > self._size:
                 self._cache.popitem(last=False)
-        self._enforce(counted, wanted, max_model_len)
+        self._enforce(counted, wanted, max_model_len, req)
         return TokenCheck(Verdict.COUNTED, counted)
 
     @staticmethod
-    def _enforce(prompt_tokens: int, wanted: int, max_model_len: int) -> None:
+    def _enforce(prompt_tokens: int, wanted: int, max_model_len: int, req: ClientRequest) -> None:
         if prompt_tokens + wanted > max_model_len:
             raise BadRequest(
                 400,
@@ -91,6 +92,6 @@ class TokenBudget:
                 f"requested {prompt_tokens + wanted} tokens ({prompt_tokens} in the messages, "
                 f"{wanted} in the completion). Please reduce the length of the messages or "
                 "completion.",
-                param="max_tokens" if wanted else "prompt",
+                param="max_tokens" if req.max_tokens is not None else "prompt",
                 type_="BadRequestError",
             )

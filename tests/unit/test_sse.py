@@ -1,0 +1,153 @@
+"""The SSE scanner (DESIGN §1, "Streams"): `[DONE]` at any chunking, malformed events, comments."""
+
+from __future__ import annotations
+
+import itertools
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from narwhal.dataplane.sse import SseScanner
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(i: int, text: str = "tok") -> bytes:
+    return (
+        b"data: "
+        + orjson.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": f"{text}{i}"}]})
+        + b"\n\n"
+    )
+
+
+def _scan(*chunks: bytes) -> SseScanner:
+    scanner = SseScanner()
+    for chunk in chunks:
+        scanner.feed(chunk)
+    return scanner
+
+
+# (id, chunks, done, malformed, events)
+CASES: list[tuple[str, list[bytes], bool, bool, int]] = [
+    ("empty", [], False, False, 0),
+    ("done-only", [DONE], True, False, 0),
+    ("events-then-done", [_event(0), _event(1), DONE], True, False, 2),
+    ("one-chunk", [_event(0) + _event(1) + DONE], True, False, 2),
+    ("no-done", [_event(0), _event(1)], False, False, 2),
+    ("done-without-blank-line", [_event(0), b"data: [DONE]\n"], False, False, 1),
+    ("done-without-newline", [_event(0), b"data: [DONE]"], False, False, 1),
+    ("comment", [b": keep-alive\n\n", _event(0), DONE], True, False, 1),
+    ("comment-no-space", [b":ping\n\n", DONE], True, False, 0),
+    ("blank-event", [b"\n\n", _event(0), DONE], True, False, 1),
+    ("event-incomplete-at-end", [_event(0), b'data: {"x": 1}'], False, False, 1),
+    ("split-inside-terminator", [b"data: [DONE]\n", b"\n"], True, False, 0),
+    ("split-byte-by-byte", [bytes([b]) for b in _event(0) + DONE], True, False, 1),
+    ("split-inside-payload", [_event(0)[:9], _event(0)[9:], DONE[:4], DONE[4:]], True, False, 1),
+    ("utf8-split-mid-codepoint", [_event(0, "é")[:40], _event(0, "é")[40:], DONE], True, False, 1),
+    ("malformed-not-json", [b"data: hello\n\n", DONE], True, True, 0),
+    ("malformed-unclosed-object", [b'data: {"a": 1\n\n', DONE], True, True, 0),
+    ("malformed-event-field", [b"event: message\n\n", DONE], True, True, 0),
+    ("malformed-array", [b"data: [1, 2]\n\n", DONE], True, True, 0),
+    ("malformed-done-variant", [b"data: [done]\n\n"], False, True, 0),
+    ("malformed-garbage", [b"\x00\xff\n\n"], False, True, 0),
+    ("malformed-before-done-split", [b"da", b"ta: oops\n", b"\n", DONE], True, True, 0),
+    ("nothing-counted-after-done", [DONE, _event(0), b"garbage\n\n"], True, False, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "done", "malformed", "events"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_scanner(chunks: list[bytes], done: bool, malformed: bool, events: int) -> None:
+    scanner = _scan(*chunks)
+    assert (scanner.done, scanner.malformed, scanner.events) == (done, malformed, events)
+
+
+def test_malformed_is_sticky() -> None:
+    scanner = _scan(b"data: nope\n\n")
+    assert scanner.malformed
+    scanner.feed(_event(0) + DONE)
+    assert scanner.malformed
+
+
+def test_done_is_not_reported_before_its_terminator_arrives() -> None:
+    scanner = _scan(_event(0), b"data: [DONE]")
+    assert not scanner.done
+    scanner.feed(b"\n")
+    assert not scanner.done
+    scanner.feed(b"\n")
+    assert scanner.done
+
+
+def test_odd_blank_line_between_events_is_not_malformed() -> None:
+    """Regression: '\\n\\n\\n' used to glue a '\\n' onto the next event (malformed, no DONE)."""
+    scanner = _scan(_event(0) + b"\n" + _event(1) + b"\n" + DONE)
+    assert (scanner.done, scanner.malformed, scanner.events) == (True, False, 2)
+
+
+def test_even_blank_lines_between_events_are_tolerated() -> None:
+    scanner = _scan(_event(0) + b"\n\n" + _event(1) + DONE)
+    assert (scanner.done, scanner.malformed, scanner.events) == (True, False, 2)
+
+
+# --------------------------------------------------------------------------- properties
+
+_texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=12)
+_good_event = st.one_of(
+    _texts.map(lambda t: b"data: " + orjson.dumps({"choices": [{"text": t}]}) + b"\n\n"),
+    _texts.filter(lambda t: "\n" not in t and "\r" not in t).map(
+        lambda t: b":" + t.encode() + b"\n\n"
+    ),
+)
+_blank = st.sampled_from([b"\n", b"\n\n"])  # blank lines between events are legal SSE
+_bad_event = st.sampled_from(
+    [b"data: oops\n\n", b"event: x\n\n", b'data: {"a"\n\n', b"retry: 10\n\n", b"data: [1]\n\n"]
+)
+
+
+def _split(stream: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(stream) + 1) for c in cuts})
+    edges = [0, *points, len(stream)]
+    return [stream[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_good_event | _blank, max_size=6), st.lists(st.integers(0, 10_000), max_size=12))
+def test_valid_stream_split_anywhere_is_done(events: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(events) + DONE
+    scanner = _scan(*_split(stream, cuts))
+    assert scanner.done
+    assert not scanner.malformed
+    assert scanner.events == sum(e.startswith(b"data: ") for e in events)
+    assert scanner.events == stream.count(b"data: {")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(_good_event, max_size=6),
+    st.integers(0, 10_000),
+    st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_truncated_stream_is_not_done(events: list[bytes], cut: int, cuts: list[int]) -> None:
+    stream = b"".join(events) + DONE
+    truncated = stream[: cut % len(stream)]  # anything short of the full terminator
+    scanner = _scan(*_split(truncated, cuts))
+    assert not scanner.done
+    assert not scanner.malformed
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(_good_event, max_size=4),
+    _bad_event,
+    st.lists(_good_event, max_size=4),
+    st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_stream_with_a_malformed_event_is_malformed(
+    before: list[bytes], bad: bytes, after: list[bytes], cuts: list[int]
+) -> None:
+    stream = b"".join(before) + bad + b"".join(after) + DONE
+    scanner = _scan(*_split(stream, cuts))
+    assert scanner.malformed
