@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,7 +33,15 @@ from narwhal.control.stages import SmallStages
 from narwhal.dataplane.proxy import DataPlane
 from narwhal.engine.failures import FailureClass, SuccessKind
 from narwhal.engine.transport import EngineClient
-from narwhal.state.handoff import HandoffWriter
+from narwhal.state.atomic import Filesystem, remove_stale_temps
+from narwhal.state.handoff import (
+    HandoffWriter,
+    Verdict,
+    apply_document,
+    check_document,
+    load_schema,
+    read_handoff,
+)
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.router")
@@ -47,6 +56,8 @@ class Router:
         rng: random.Random | None = None,
         stage_overrides: Mapping[str, Stage] | None = None,
         new_request_id: Callable[[], str] | None = None,
+        resume: bool = False,
+        filesystem: Filesystem | None = None,
     ) -> None:
         self.config = config
         self.clock = clock or SystemClock()
@@ -80,8 +91,12 @@ class Router:
             config.effective_router_id,
             self.fleet,
             self.clock,
-            self._handoff_extra,
+            lambda: self.small.risk,
+            self._lease_json,
+            fs=filesystem,
         )
+        self.resume = resume
+        self.resume_verdict: Verdict | None = None
         self.prober = InferenceProber(
             config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
         )
@@ -93,7 +108,7 @@ class Router:
             "readmission": self.readmission.stage,
             "liveness": self.health.liveness,
             "telemetry": self.small.telemetry,
-            "handoff": self.handoff.stage,
+            "handoff": self._handoff_stage,
         }
         stages.update(stage_overrides or {})
         self.monitor = Monitor(
@@ -106,6 +121,16 @@ class Router:
         self._tasks: asyncio.TaskGroup | None = None
         self._suspects: set[str] = set()
         self.evidence.on_action(self._on_evidence_action)
+
+    async def _handoff_stage(self, now: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.handoff.stage(now)
+        except BaseException:
+            self.metrics.handoff_writes.labels("failed").inc()
+            raise
+        self.metrics.handoff_writes.labels("ok").inc()
+        self.metrics.handoff_write_seconds.observe(time.perf_counter() - t0)
 
     async def _health_stage(self, now: float) -> None:
         """Health sweep, then (re)schedule inference probes for held engines."""
@@ -125,10 +150,13 @@ class Router:
             self.lifecycle.hold(
                 engine, HoldName.INFERENCE_VERIFICATION, f"{cls.value} streak: {detail}", now
             )
-        elif action is Action.HEALTH_PROBE and self._tasks is not None:
-            if engine_id not in self._suspects:  # one suspect probe per engine at a time
-                self._suspects.add(engine_id)
-                self._tasks.create_task(self._suspect_probe(engine_id, cls))
+        elif (
+            action is Action.HEALTH_PROBE
+            and self._tasks is not None
+            and engine_id not in self._suspects  # one suspect probe per engine at a time
+        ):
+            self._suspects.add(engine_id)
+            self._tasks.create_task(self._suspect_probe(engine_id, cls))
 
     async def _suspect_probe(self, engine_id: str, cls: FailureClass) -> None:
         """A timeout or overload streak: a failing health probe confirms it and ejects."""
@@ -177,12 +205,26 @@ class Router:
         return [r.to_json() for r in results]
 
     # ------------------------------------------------------------------ state views
-    def _handoff_extra(self) -> dict[str, Any]:
-        return {
-            "consolidation_risk": self.small.risk,
-            "counters": {"monitor_passes": self.monitor.status.passes},
-            "lease": None,
-        }
+    def _lease_json(self) -> dict[str, Any] | None:
+        return None
+
+    async def apply_saved_state(self) -> Verdict:
+        """`--resume`: apply the saved handoff only if schema and engine set match."""
+        path = self.handoff.path
+        removed = await asyncio.to_thread(remove_stale_temps, path)
+        if removed:
+            log.info("removed %d stale handoff temporary files", len(removed))
+        raw = await asyncio.to_thread(read_handoff, path)
+        verdict = check_document(raw, self.config, load_schema())
+        if verdict.ok and verdict.document is not None:
+            apply_document(verdict.document, self.fleet, self.clock)
+            self.handoff.continue_from(verdict.document)
+            log.info("resume: %s", verdict.reason)
+        else:
+            log.warning("resume: starting fresh: %s", verdict.reason)
+        self.metrics.handoff_resume.labels("applied" if verdict.ok else "refused").inc()
+        self.resume_verdict = verdict
+        return verdict
 
     def roles_without_capacity(self) -> list[Any]:
         now = self.clock.monotonic()
@@ -244,6 +286,8 @@ class Router:
     ) -> None:
         """Serve until cancelled."""
         await self.client.start()
+        if self.resume:
+            await self.apply_saved_state()
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         try:

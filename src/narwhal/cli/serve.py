@@ -61,11 +61,11 @@ def check_startable(config: Config) -> list[str]:
     return problems
 
 
-async def _serve(config: Config) -> None:
+async def _serve(config: Config, resume: bool) -> None:
     from narwhal.server import Router
 
     Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
-    router = Router(config)
+    router = Router(config, resume=resume)
     await router.run(config.listen_host, config.listen_port)
 
 
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         print("narwhal-serve: give --config FILE, --check-config FILE or --demo", file=sys.stderr)
         return EXIT_CONFIG
-    if args.resume or args.standby:
-        print("narwhal-serve: --resume and --standby are not available yet", file=sys.stderr)
+    if args.standby:
+        print("narwhal-serve: --standby is not available yet", file=sys.stderr)
         return EXIT_CONFIG
     try:
         config = load_config(args.config)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_startable(config)
     if problems:
         return _fail_config(problems)
-    asyncio.run(_main_async(_serve(config)))
+    asyncio.run(_main_async(_serve(config, resume=args.resume)))
     return 0
 
 

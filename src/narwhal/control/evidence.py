@@ -68,6 +68,7 @@ class EvidenceRecorder:
         streak = engine.evidence.get(cls, 0) + 1
         engine.evidence[cls] = streak
         self._metrics.failures.labels(engine_id, cls.value).inc()
+        self._fleet.counters.failures[(engine_id, cls.value)] += 1
         self._metrics.evidence_streak.labels(engine_id, cls.value).set(streak)
         action = action_for(cls, streak, self._eject_after)
         log.debug(

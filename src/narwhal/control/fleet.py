@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.config import EngineConfig, Role
+from narwhal.control.counters import Counters
 from narwhal.control.holds import SOFT_HOLDS, Hold, HoldName
 from narwhal.engine.failures import FailureClass
 
@@ -86,6 +87,7 @@ class Fleet:
     def __init__(self, engines: Iterable[EngineConfig]) -> None:
         self._engines = {e.id: EngineState(config=e, role=e.role) for e in engines}
         self._hooks: list[TransitionHook] = []
+        self.counters = Counters()
 
     def __iter__(self) -> Any:
         return iter(self._engines.values())

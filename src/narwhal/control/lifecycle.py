@@ -47,6 +47,7 @@ class Lifecycle:
 
         self._fleet.transition(engine, now, f"ejected: {cause}: {reason}", change)
         self._metrics.ejections.labels(engine.id, cause).inc()
+        self._fleet.counters.ejections[engine.id] += 1
 
     def _temporary(self, name: HoldName, reason: str, now: float, duration_s: float) -> Hold:
         wall = self._clock.wall()
@@ -111,6 +112,7 @@ class Lifecycle:
                 e.holds.pop(name, None)
 
         self._fleet.transition(engine, now, f"readmitted: {reason}", change)
+        self._fleet.counters.readmissions[engine.id] += 1
 
 
 def _drop(engine: EngineState, name: HoldName) -> None:

@@ -143,5 +143,18 @@ class Metrics:
             registry=r,
         )
 
+        self.handoff_resume = Counter(
+            "narwhal_handoff_resume", "Resume decisions at start", ["result"], registry=r
+        )
+        self.handoff_writes = Counter(
+            "narwhal_handoff_writes", "Handoff writes by result", ["result"], registry=r
+        )
+        self.handoff_write_seconds = Histogram(
+            "narwhal_handoff_write_seconds",
+            "Handoff stage duration",
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,297 @@
+"""The sim's HTTP surface: vLLM's endpoints, peer-router probes, and the `/sim/*` test API."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from narwhal import __version__
+from narwhal.clock import Clock
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.faults import Fault, FaultBook, FaultKind, FaultSpec
+from narwhal.sim.latency import Sleeper, pause
+from narwhal.sim.leg import Leg, leg_of
+from narwhal.sim.metrics import SimMetrics
+from narwhal.sim.request_log import RequestLog
+from narwhal.sim.requests import ChatBody, CompletionBody, RequestError, TokenizeBody, parse
+from narwhal.sim.shapes import Envelope, dumps, error_body, response_body, usage
+from narwhal.sim.streaming import StreamFaults, write_stream
+
+_METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=dumps(body), status=status, content_type="application/json")
+
+
+def error_response(err: RequestError) -> web.Response:
+    return json_response(error_body(err.status, err.message, err.param), err.status)
+
+
+class SimApp:
+    """Route handlers over one engine; `apply_fault` performs a fault the API was given."""
+
+    def __init__(
+        self,
+        engine: SimEngine,
+        *,
+        faults: FaultBook,
+        metrics: SimMetrics,
+        log: RequestLog,
+        clock: Clock,
+        sleeper: Sleeper,
+        apply_fault: Callable[[FaultSpec], Fault],
+    ) -> None:
+        self._engine = engine
+        self._config = engine.config
+        self._faults = faults
+        self._metrics = metrics
+        self._log = log
+        self._clock = clock
+        self._sleeper = sleeper
+        self._apply_fault = apply_fault
+
+    def build(self) -> web.Application:
+        app = web.Application()
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/metrics", self.metrics)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/v1/loads", "/get_load"):
+            r.add_get(path, self.load)
+        r.add_get("/version", self.version)
+        r.add_get("/sim/requests", self.list_requests)
+        r.add_delete("/sim/requests", self.clear_requests)
+        r.add_get("/sim/faults", self.list_faults)
+        r.add_post("/sim/faults", self.add_fault)
+        r.add_delete("/sim/faults", self.clear_faults)
+        r.add_delete("/sim/faults/{fault_id}", self.remove_fault)
+        return app
+
+    def _model_name(self, leg: Leg | None = None) -> str:
+        """The served model's name, or the one a `wrong_model` fault reports instead."""
+        wrong = self._faults.fire(FaultKind.WRONG_MODEL, leg)
+        return (wrong.spec.model or self._config.model) if wrong else self._config.model
+
+    # --- vLLM's endpoints -------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if hang := self._faults.fire(FaultKind.HEALTH_HANG):
+            await pause(self._sleeper, hang.spec.delay_s)
+        status = self._faults.fire(FaultKind.HEALTH_STATUS)
+        return web.Response(status=(status.spec.status or 200) if status else 200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self._model_name()
+        card = {
+            "id": name,
+            "object": "model",
+            "created": int(self._engine.start_time),
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": self._config.max_model_len,
+            "permission": [],
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self._metrics.render(), headers={"Content-Type": _METRICS_CONTENT_TYPE}
+        )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = parse(TokenizeBody, await _json(request))
+            self._check_model(body.model)
+            tokens = body.prompt_ids()
+        except RequestError as err:
+            return error_response(err)
+        return json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self._config.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, chat=True)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._config.model:
+            raise RequestError(404, f"The model `{model}` does not exist.", "model")
+
+    async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            doc: Any = json.loads(raw)
+        except ValueError:
+            doc = None
+        params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+        leg = leg_of(params)
+        self._log.record(
+            request.path,
+            request.headers,
+            raw.decode(errors="replace") if doc is None else doc,
+            leg,
+        )
+        self._metrics.requests.labels(leg=leg.value).inc()
+        if self._faults.fire(FaultKind.RESET_CONNECTIONS, leg):
+            return _reset(request)
+        if status := self._faults.fire(FaultKind.COMPLETION_STATUS, leg):
+            code = status.spec.status or 500
+            return error_response(RequestError(code, f"narwhal-sim injected status {code}"))
+        try:
+            if not isinstance(doc, dict):
+                raise RequestError(400, "the body is not a JSON object")
+            with self._engine.admitted():
+                return await self._generate(request, doc, chat, leg)
+        except RequestError as err:
+            return error_response(err)
+
+    async def _generate(
+        self, request: web.Request, doc: dict[str, Any], chat: bool, leg: Leg
+    ) -> web.StreamResponse:
+        body = parse(ChatBody, doc) if chat else parse(CompletionBody, doc)
+        if body.n != 1:
+            raise RequestError(400, "narwhal-sim supports only n=1", "n")
+        self._check_model(body.model)
+        slow = self._faults.fire(FaultKind.SLOW, leg)
+        factor = (slow.spec.factor or 1.0) if slow else 1.0
+        if stall := self._faults.fire(FaultKind.STALL_FIRST_TOKEN, leg):
+            await pause(self._sleeper, stall.spec.delay_s)
+        outcome = await self._engine.complete(body, leg, factor)
+        request_id = request.headers.get("X-Request-Id") or self._engine.new_id()
+        env = Envelope(
+            chat=chat,
+            id=("chatcmpl-" if chat else "cmpl-") + request_id,
+            created=int(self._clock.wall()),
+            model=self._model_name(leg),
+        )
+        if body.stream:
+            return await write_stream(
+                request, env, outcome, body.include_usage, self._stream_faults(leg), self._sleeper
+            )
+        generated = len(outcome.generated.indices)
+        await pause(self._sleeper, outcome.itl_s * max(0, generated - 1))
+        use = usage(outcome.prompt_tokens, generated, outcome.cached_tokens)
+        return json_response(response_body(env, outcome.generated, use, outcome.extra))
+
+    def _stream_faults(self, leg: Leg) -> StreamFaults:
+        stall = self._faults.fire(FaultKind.STALL_MID_STREAM, leg)
+        return StreamFaults(
+            stall_after_tokens=None if stall is None else stall.spec.after_tokens or 1,
+            stall_s=None if stall is None else stall.spec.delay_s,
+            no_done=self._faults.fire(FaultKind.NO_DONE, leg) is not None,
+            malformed=self._faults.fire(FaultKind.MALFORMED_EVENT, leg) is not None,
+        )
+
+    # --- probes other routers send ----------------------------------------------------------
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        c = self._config
+        return json_response(
+            {
+                "model_path": c.model,
+                "served_model_name": c.model,
+                "max_model_len": c.max_model_len,
+                "role": c.role.value,
+                "kv_role": c.kv_role.value,
+                "engine_id": c.engine_id,
+                "tp_size": 1,
+                "version": __version__,
+            }
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        c = self._config
+        return json_response(
+            {
+                "model_path": c.model,
+                "tokenizer_path": c.model,
+                "is_generation": True,
+                "max_model_len": c.max_model_len,
+            }
+        )
+
+    async def load(self, request: web.Request) -> web.Response:
+        running = self._engine.running
+        return json_response(
+            {"running": running, "waiting": 0, "num_reqs": running, "num_waiting_reqs": 0}
+        )
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": __version__, "engine": "narwhal-sim"})
+
+    # --- /sim: introspection and faults -----------------------------------------------------
+
+    async def list_requests(self, request: web.Request) -> web.Response:
+        return json_response(self._log.entries())
+
+    async def clear_requests(self, request: web.Request) -> web.Response:
+        self._log.clear()
+        return web.Response(status=204)
+
+    async def list_faults(self, request: web.Request) -> web.Response:
+        return json_response([f.to_json() for f in self._faults.snapshot()])
+
+    async def add_fault(self, request: web.Request) -> web.Response:
+        try:
+            spec = FaultSpec.model_validate(await _json(request))
+        except RequestError as err:
+            return error_response(err)
+        except ValidationError as exc:
+            return error_response(RequestError(400, _validation_message(exc)))
+        return json_response(self._apply_fault(spec).to_json(), status=201)
+
+    async def clear_faults(self, request: web.Request) -> web.Response:
+        self._faults.clear()
+        return web.Response(status=204)
+
+    async def remove_fault(self, request: web.Request) -> web.Response:
+        fault_id = request.match_info["fault_id"]
+        if fault_id.isdigit() and self._faults.remove(int(fault_id)):
+            return web.Response(status=204)
+        return error_response(RequestError(404, f"no fault {fault_id}"))
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except ValueError as exc:
+        raise RequestError(400, f"the body is not valid JSON: {exc}") from exc
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'fault'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+def _reset(request: web.Request) -> web.Response:
+    """Drop the connection with a TCP reset; the returned response is never sent."""
+    transport = request.transport
+    if transport is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+    return web.Response(status=500)

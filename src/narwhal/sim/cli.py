@@ -1,0 +1,158 @@
+"""`narwhal-sim`: serve one simulated engine, start a local fleet, or measure an engine.
+
+narwhal-sim [serve] --port 9001 --role prefill --kv-role kv_producer
+narwhal-sim fleet --prefill 2 --decode 2 --base-port 9001
+narwhal-sim bench --url http://127.0.0.1:9001
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from narwhal.clock import SystemClock
+from narwhal.sim.bench import run_bench
+from narwhal.sim.config import KvRole, LoadFailurePolicy, Role, SimConfig
+from narwhal.sim.faults import FaultSpec
+from narwhal.sim.fleet import run_fleet
+from narwhal.sim.server import SimServer
+
+_COMMANDS = ("serve", "fleet", "bench")
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    d = SimConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--role", choices=[r.value for r in Role], default=d.role.value)
+    p.add_argument("--kv-role", choices=[r.value for r in KvRole], default=d.kv_role.value)
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--engine-id", default=None, help="default: a random UUID")
+    p.add_argument("--ttft-per-token-ms", type=float, default=d.ttft_per_token_ms)
+    p.add_argument("--itl-ms", type=float, default=d.itl_ms)
+    p.add_argument("--transfer-per-block-ms", type=float, default=d.transfer_per_block_ms)
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    p.add_argument("--kv-ttl-s", type=float, default=d.kv_ttl_s)
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=[x.value for x in LoadFailurePolicy],
+        default=d.kv_load_failure_policy.value,
+    )
+    p.add_argument("--kv-load-timeout-s", type=float, default=d.kv_load_timeout_s)
+    p.add_argument("--seed", type=int, default=None, help="seed ids and fault probabilities")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a fault as the /sim/faults API takes it, e.g. \'{"kind":"no_done"}\'; repeatable',
+    )
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="narwhal-sim", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _engine_options(sub.add_parser("serve", help="run one simulated vLLM engine"))
+    fleet = sub.add_parser(
+        "fleet",
+        help="run N prefill and M decode engines; other options go to every engine",
+    )
+    fleet.add_argument("--prefill", type=int, default=1)
+    fleet.add_argument("--decode", type=int, default=1)
+    fleet.add_argument("--base-port", type=int, default=9001, help="decode engines at +100")
+    fleet.add_argument("--host", default="127.0.0.1")
+    bench = sub.add_parser("bench", help="measure an engine's non-streaming throughput")
+    bench.add_argument("--url", required=True)
+    bench.add_argument("--concurrency", type=int, default=32)
+    bench.add_argument("--duration-s", type=float, default=5.0)
+    bench.add_argument("--max-tokens", type=int, default=16)
+    bench.add_argument("--stream", action="store_true")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        host=args.host,
+        port=args.port,
+        role=Role(args.role),
+        kv_role=KvRole(args.kv_role),
+        model=args.model,
+        max_model_len=args.max_model_len,
+        engine_id=args.engine_id or str(uuid.uuid4()),
+        ttft_per_token_ms=args.ttft_per_token_ms,
+        itl_ms=args.itl_ms,
+        transfer_per_block_ms=args.transfer_per_block_ms,
+        max_concurrency=args.max_concurrency,
+        kv_ttl_s=args.kv_ttl_s,
+        kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
+        kv_load_timeout_s=args.kv_load_timeout_s,
+    )
+
+
+async def _until_signalled(server: SimServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def started(url: str) -> None:
+        print(f"narwhal-sim listening on {url}", flush=True)
+
+    await server.run(started, stop)
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        faults = [FaultSpec.model_validate_json(f) for f in args.fault]
+    except ValidationError as exc:
+        parser.error(f"--fault: {exc}")
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    server = SimServer(
+        _config(args),
+        clock=SystemClock(),
+        rng=random.Random(args.seed),
+        faults=faults,
+    )
+    asyncio.run(_until_signalled(server))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in (*_COMMANDS, "-h", "--help"):
+        argv.insert(0, "serve")
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "fleet" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "serve":
+        serve(args, parser)
+    elif args.command == "fleet":
+        sys.exit(
+            asyncio.run(run_fleet(args.prefill, args.decode, args.base_port, args.host, extra))
+        )
+    else:
+        result = asyncio.run(
+            run_bench(
+                args.url,
+                concurrency=args.concurrency,
+                duration_s=args.duration_s,
+                max_tokens=args.max_tokens,
+                stream=args.stream,
+                clock=SystemClock(),
+            )
+        )
+        print(result.summary(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The simulated engine's typed, frozen configuration (what `narwhal-sim serve` accepts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    """The serving role an operator assigned; informational (reported by /server_info)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class KvRole(StrEnum):
+    """vLLM's `kv_role`: which side of a KV transfer this engine may take."""
+
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+
+class LoadFailurePolicy(StrEnum):
+    """What a decode leg does with a handoff it cannot read (vLLM's `kv_load_failure_policy`)."""
+
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    role: Role = Role.BOTH
+    kv_role: KvRole = KvRole.BOTH
+    model: str = "demo-model"
+    max_model_len: int = 4096
+    engine_id: str = "sim-engine"
+    ttft_per_token_ms: float = 0.05
+    itl_ms: float = 2.0
+    transfer_per_block_ms: float = 0.1
+    max_concurrency: int = 256
+    kv_ttl_s: float = 30.0
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+    kv_load_timeout_s: float = 5.0
+
+    @property
+    def advertised_host(self) -> str:
+        """The host a decode engine should dial for this engine's side channel."""
+        wildcard = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
+        return wildcard.get(self.host, self.host)

@@ -1,0 +1,118 @@
+"""`narwhal-sim fleet`: N prefill and M decode engines as child processes, stopped together.
+
+Prefill engines listen on base_port, base_port+1, ...; decode engines on base_port+100, ....
+SIGTERM or SIGINT stops every engine (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_START_TIMEOUT_S = 20.0
+_STOP_GRACE_S = 5.0
+_READY_PREFIX = "narwhal-sim listening on "
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    name: str
+    port: int
+    role: str
+    kv_role: str
+
+
+def fleet_specs(prefill: int, decode: int, base_port: int) -> list[EngineSpec]:
+    return [
+        EngineSpec(f"prefill-{i}", base_port + i, "prefill", "kv_producer") for i in range(prefill)
+    ] + [
+        EngineSpec(f"decode-{i}", base_port + 100 + i, "decode", "kv_consumer")
+        for i in range(decode)
+    ]
+
+
+async def _spawn(spec: EngineSpec, host: str, extra: Sequence[str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "narwhal.sim.cli",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(spec.port),
+        "--role",
+        spec.role,
+        "--kv-role",
+        spec.kv_role,
+        "--engine-id",
+        spec.name,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _ready_url(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    async with asyncio.timeout(_START_TIMEOUT_S):
+        line = (await proc.stdout.readline()).decode()
+    if not line.startswith(_READY_PREFIX):
+        raise RuntimeError(f"engine exited with status {await proc.wait()}")
+    return line[len(_READY_PREFIX) :].strip()
+
+
+async def _stop(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            async with asyncio.timeout(_STOP_GRACE_S):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def _report_exit(name: str, proc: asyncio.subprocess.Process) -> None:
+    status = await proc.wait()
+    print(f"narwhal-sim fleet: {name} exited with status {status}", file=sys.stderr, flush=True)
+
+
+async def run_fleet(
+    prefill: int, decode: int, base_port: int, host: str, extra: Sequence[str]
+) -> int:
+    """Start the fleet, print each engine's URL, and run until signalled; returns an exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    specs = fleet_specs(prefill, decode, base_port)
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        for spec in specs:
+            procs.append(await _spawn(spec, host, extra))
+        urls = await asyncio.gather(*(_ready_url(p) for p in procs))
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"narwhal-sim fleet: an engine did not start: {exc}", file=sys.stderr, flush=True)
+        await _stop(procs)
+        return 1
+    for spec, url in zip(specs, urls, strict=True):
+        print(f"narwhal-sim fleet: {spec.role} {spec.name} {url}", flush=True)
+    print("narwhal-sim fleet ready", flush=True)
+    async with asyncio.TaskGroup() as tg:
+        watchers = [
+            tg.create_task(_report_exit(s.name, p)) for s, p in zip(specs, procs, strict=True)
+        ]
+        try:
+            await stop.wait()
+        finally:
+            for w in watchers:
+                w.cancel()
+            with contextlib.suppress(Exception):
+                await _stop(procs)
+    return 0

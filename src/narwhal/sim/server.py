@@ -1,0 +1,131 @@
+"""One simulated engine process: the HTTP app, the KV side channel, and fault actions.
+
+`SimServer.run` owns everything it starts (structured: the background work lives in a task
+group and shutdown is cancellation) and returns once `stop` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+
+from aiohttp import web
+
+from narwhal.clock import Clock
+from narwhal.sim.app import SimApp
+from narwhal.sim.config import SimConfig
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.faults import IMMEDIATE, Fault, FaultBook, FaultKind, FaultSpec
+from narwhal.sim.kv_store import KvStore
+from narwhal.sim.latency import Sleeper, pause
+from narwhal.sim.listener import HttpListener
+from narwhal.sim.metrics import SimMetrics
+from narwhal.sim.request_log import RequestLog
+from narwhal.sim.side_channel import SideChannelServer
+
+log = logging.getLogger(__name__)
+
+_SHUTDOWN_TIMEOUT_S = 1.0
+_REOPEN_RETRY_S = 0.1
+
+
+class SimServer:
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        clock: Clock,
+        rng: random.Random,
+        sleeper: Sleeper = asyncio.sleep,
+        faults: Sequence[FaultSpec] = (),
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._rng = rng
+        self._sleeper = sleeper
+        self._startup_faults = tuple(faults)
+
+    async def run(self, started: Callable[[str], None], stop: asyncio.Event) -> None:
+        """Serve until `stop` is set; `started(url)` is called once connections are accepted."""
+        c = self.config
+        metrics = SimMetrics(c.model)
+        faults = FaultBook(self._rng, metrics.fault_fired)
+        store = KvStore(self._clock, c.kv_ttl_s)
+        side = SideChannelServer(store, c.engine_id, metrics.kv_blocks_served.inc)
+        side_port = await side.start(c.host)
+        engine = SimEngine(
+            c,
+            clock=self._clock,
+            rng=self._rng,
+            sleeper=self._sleeper,
+            store=store,
+            faults=faults,
+            metrics=metrics,
+            side_channel_port=side_port,
+        )
+        metrics.watch(
+            running=lambda: engine.running,
+            start_time=lambda: engine.start_time,
+            handoffs_held=store.held,
+        )
+        reopen: asyncio.Task[None] | None = None
+        async with asyncio.TaskGroup() as tg:
+
+            def apply_fault(spec: FaultSpec) -> Fault:
+                nonlocal reopen
+                if spec.kind not in IMMEDIATE:
+                    return faults.add(spec)
+                fault = faults.new(spec)
+                faults.record_fired(fault)
+                if spec.kind is FaultKind.RESTART:
+                    log.info("restart fault: KV dropped, new generation")
+                    engine.restart()
+                else:
+                    if reopen is not None:
+                        reopen.cancel()
+                    reopen = tg.create_task(self._refuse(listener, spec.duration_s))
+                return fault
+
+            app = SimApp(
+                engine,
+                faults=faults,
+                metrics=metrics,
+                log=RequestLog(),
+                clock=self._clock,
+                sleeper=self._sleeper,
+                apply_fault=apply_fault,
+            ).build()
+            runner = web.AppRunner(
+                app,
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+            )
+            await runner.setup()
+            listener = HttpListener(runner, c.host, c.port)
+            try:
+                port = await listener.open()
+                started(f"http://{c.host}:{port}")
+                for spec in self._startup_faults:
+                    apply_fault(spec)
+                await stop.wait()
+            finally:
+                if reopen is not None:
+                    reopen.cancel()
+                await runner.cleanup()
+                await side.close()
+
+    async def _refuse(self, listener: HttpListener, duration_s: float | None) -> None:
+        """Refuse connections for `duration_s` (None: for good), then listen again."""
+        log.info("refusing connections for %s s", duration_s)
+        await listener.close()
+        await pause(self._sleeper, duration_s)
+        while True:
+            try:
+                await listener.open()
+                return
+            except OSError as exc:
+                log.warning("cannot listen again on port %d yet: %s", listener.port, exc)
+                await self._sleeper(_REOPEN_RETRY_S)

@@ -1,0 +1,6 @@
+"""Shared fixtures: simulated engines as processes, and an in-loop router."""
+
+from tests.support.router import start_router
+from tests.support.sim_process import sim_factory
+
+__all__ = ["sim_factory", "start_router"]

@@ -1,0 +1,32 @@
+"""Polling with a deadline: end-to-end tests wait for states this way, never by sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]] | Callable[[], T],
+    *,
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    what: str = "condition",
+) -> T:
+    """Call `probe` until it returns a truthy value; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        result = probe()
+        if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
+            result = await result  # type: ignore[misc]
+        if result:
+            return result  # type: ignore[return-value]
+        last = result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,79 @@
+"""A Narwhal router running in the test's event loop, on a real loopback socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from narwhal.config import parse_config
+from narwhal.server import Router
+
+
+@dataclass
+class RunningRouter:
+    router: Router
+    url: str
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def router_config(
+    engines: list[dict[str, Any]], tmp_path: Path, **sections: Any
+) -> dict[str, Any]:
+    """A config dict with fast test timings; `sections` override or extend it."""
+    config: dict[str, Any] = {
+        "router_id": "test-router",
+        "listen": "127.0.0.1:0",
+        "model": "demo-model",
+        "engines": engines,
+        "controller": {"monitor_interval_s": 0.1, "monitor_failure_limit": 3},
+        "engine": {"health_timeout_s": 0.5, "probe_timeout_s": 2.0},
+        "serving": {"request_timeout_s": 10, "first_token_timeout_s": 2,
+                    "stream_idle_timeout_s": 1},
+        "handoff": {"path": str(tmp_path / "state" / "handoff.json")},
+    }  # fmt: skip
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+StartRouter = Callable[..., Awaitable[RunningRouter]]
+
+
+@pytest.fixture
+async def start_router(tmp_path: Path) -> AsyncIterator[StartRouter]:
+    """`await start_router(engines, **sections, router_kwargs={...})` -> RunningRouter."""
+    running: list[RunningRouter] = []
+
+    async def start(
+        engines: list[dict[str, Any]], router_kwargs: dict[str, Any] | None = None, **sections: Any
+    ) -> RunningRouter:
+        config = parse_config(router_config(engines, tmp_path, **sections))
+        Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
+        router = Router(config, **(router_kwargs or {}))
+        bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(router.run("127.0.0.1", 0, on_ready=bound.set_result))
+        async with asyncio.timeout(10):
+            done, _ = await asyncio.wait({bound, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # raises the startup error
+        rr = RunningRouter(router, f"http://127.0.0.1:{bound.result()}", task)
+        running.append(rr)
+        return rr
+
+    yield start
+    for rr in running:
+        await rr.stop()
