@@ -119,3 +119,16 @@ def add_routes(app: web.Application, router: Router) -> None:
     app.router.add_get("/admin/engines", admin(admin_engines))
     app.router.add_get("/admin/monitor", admin(admin_monitor))
     app.router.add_get("/admin/handoff", admin(admin_handoff))
+
+    async def admin_lease(request: web.Request) -> web.StreamResponse:
+        if router.ownership is None:
+            return web.json_response(
+                {
+                    "backend": "none",
+                    "role": "active",
+                    "router_id": router.config.effective_router_id,
+                }
+            )
+        return web.json_response(router.ownership.to_json())
+
+    app.router.add_get("/admin/lease", admin(admin_lease))

@@ -26,6 +26,7 @@ from narwhal.control.health import Answer, HealthStages, check_health
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.monitor import Monitor, Stage
+from narwhal.control.ownership import Ownership
 from narwhal.control.probes import InferenceProber
 from narwhal.control.readiness import ready_reason
 from narwhal.control.readmission import Readmission
@@ -34,6 +35,8 @@ from narwhal.dataplane.proxy import DataPlane
 from narwhal.engine.failures import FailureClass, SuccessKind
 from narwhal.engine.transport import EngineClient
 from narwhal.state.atomic import Filesystem, remove_stale_temps
+from narwhal.state.etcd_store import EtcdLeaseStore
+from narwhal.state.file_store import FileLeaseStore
 from narwhal.state.handoff import (
     HandoffWriter,
     Verdict,
@@ -42,9 +45,18 @@ from narwhal.state.handoff import (
     load_schema,
     read_handoff,
 )
+from narwhal.state.lease import LeaseKeeper, LeaseStore
+from narwhal.state.lease import Role as LeaseRole
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.router")
+
+
+def make_store(config: Config, fs: Filesystem | None) -> LeaseStore:
+    lease = config.lease
+    if lease.backend == "etcd":
+        return EtcdLeaseStore(lease.endpoints, lease.key, timeout_s=lease.renew_interval_s)
+    return FileLeaseStore(Path(lease.path), Path(config.handoff.path), fs)
 
 
 class Router:
@@ -57,7 +69,9 @@ class Router:
         stage_overrides: Mapping[str, Stage] | None = None,
         new_request_id: Callable[[], str] | None = None,
         resume: bool = False,
+        standby: bool = False,
         filesystem: Filesystem | None = None,
+        lease_store: LeaseStore | None = None,
     ) -> None:
         self.config = config
         self.clock = clock or SystemClock()
@@ -97,6 +111,18 @@ class Router:
         )
         self.resume = resume
         self.resume_verdict: Verdict | None = None
+        self.standby = standby
+        self.ownership: Ownership | None = None
+        if config.lease.backend != "none":
+            store = lease_store or make_store(config, filesystem)
+            keeper = LeaseKeeper(config.effective_router_id, config.lease, store, self.clock)
+            self.ownership = Ownership(
+                config, keeper, self.fleet, self.handoff, self.metrics, self.clock
+            )
+            self.handoff.guard = self.ownership.write_handoff
+            self.admission.add_check(
+                "lease", lambda: keeper.admission_reason(self.clock.monotonic())
+            )
         self.prober = InferenceProber(
             config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
         )
@@ -206,7 +232,11 @@ class Router:
 
     # ------------------------------------------------------------------ state views
     def _lease_json(self) -> dict[str, Any] | None:
-        return None
+        return self.ownership.keeper.handoff_lease() if self.ownership else None
+
+    def is_active(self) -> bool:
+        """Runs monitor passes: always without a lease, else only while holding it."""
+        return self.ownership is None or self.ownership.keeper.role is LeaseRole.ACTIVE
 
     async def apply_saved_state(self) -> Verdict:
         """`--resume`: apply the saved handoff only if schema and engine set match."""
@@ -288,6 +318,8 @@ class Router:
         await self.client.start()
         if self.resume:
             await self.apply_saved_state()
+        if self.ownership is not None:
+            await self.ownership.start(self.standby)
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         try:
@@ -299,8 +331,17 @@ class Router:
                 on_ready(bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
-                tg.create_task(self.monitor.run_forever(self.config.controller.monitor_interval_s))
+                if self.ownership is not None:
+                    tg.create_task(self.ownership.run())
+                tg.create_task(
+                    self.monitor.run_forever(
+                        self.config.controller.monitor_interval_s, should_run=self.is_active
+                    )
+                )
         finally:
             self._tasks = None
+            if self.ownership is not None:
+                await self.ownership.keeper.release()
+                await self.ownership.keeper.store.close()
             await runner.cleanup()
             await self.client.close()

@@ -75,7 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     engines.add_argument("--json", action="store_true")
     for name in ("drain", "maintenance", "readmit"):
         sub.add_parser(name, help=f"{name} an engine").add_argument("engine_id")
+    handoff = sub.add_parser("handoff", help="inspect or validate a handoff file")
+    hsub = handoff.add_subparsers(dest="handoff_command", required=True)
+    show = hsub.add_parser("show", help="print a handoff readably")
+    show.add_argument("file")
+    validate = hsub.add_parser("validate", help="check a handoff against the schema and config")
+    validate.add_argument("file")
+    validate.add_argument("--config", required=True, help="the router's YAML configuration")
+    sub.add_parser("lease", help="the lease as the router sees it")
     args = p.parse_args(argv)
+    if args.command == "handoff":
+        return _handoff(args)
     try:
         return _run(args)
     except AdminError as exc:
@@ -83,7 +93,68 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def _handoff(args: argparse.Namespace) -> int:
+    """Offline: no router needed."""
+    from pathlib import Path
+
+    from narwhal.config import ConfigError, load_config
+    from narwhal.state.handoff import check_document, load_schema, read_handoff
+
+    raw = read_handoff(Path(args.file))
+    if args.handoff_command == "show":
+        if raw is None:
+            print(f"narwhal: {args.file}: no such file", file=sys.stderr)
+            return EXIT_ERROR
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            print(f"narwhal: {args.file}: not valid JSON: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        print(_describe_handoff(doc))
+        return 0
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"narwhal: config error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    verdict = check_document(raw, config, load_schema())
+    print(("valid: " if verdict.ok else "invalid: ") + verdict.reason)
+    return 0 if verdict.ok else EXIT_ERROR
+
+
+def _describe_handoff(doc: dict[str, Any]) -> str:
+    writer = doc.get("writer", {})
+    lines = [
+        f"schema {doc.get('schema')}  sequence {doc.get('sequence')}  "
+        f"written_at {doc.get('written_at')}",
+        f"writer {writer.get('router_id')} pid {writer.get('pid')} "
+        f"lease epoch {writer.get('lease_epoch')}",
+        f"lease {doc.get('lease')}",
+        "",
+    ]
+    for engine_id, e in sorted((doc.get("engines") or {}).items()):
+        holds = ",".join(h["name"] for h in e.get("holds", [])) or "-"
+        if e.get("inference_verification"):
+            holds = (holds + ",inference_verification").lstrip("-,")
+        ejected = e["ejection"]["cause"] if e.get("ejection") else "-"
+        lines.append(
+            f"{engine_id:12} {e.get('role', '?'):8} ejected={ejected:16} holds={holds}"
+            f" generation={e.get('generation')}"
+        )
+    lines.append(f"\nconsolidation risk {json.dumps(doc.get('consolidation_risk'))}")
+    lines.append(f"counters {json.dumps(doc.get('counters'))}")
+    return "\n".join(lines)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "lease":
+        status, body = _call(args.url, args.token, "GET", "/admin/lease")
+        if status != 200:
+            print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
+            return EXIT_ERROR
+        print(json.dumps(body, indent=2))
+        return 0
     if args.command in ("status", "engines"):
         status, body = _call(args.url, args.token, "GET", "/admin/engines")
         if status != 200:

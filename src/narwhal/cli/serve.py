@@ -61,11 +61,11 @@ def check_startable(config: Config) -> list[str]:
     return problems
 
 
-async def _serve(config: Config, resume: bool) -> None:
+async def _serve(config: Config, resume: bool, standby: bool) -> None:
     from narwhal.server import Router
 
     Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
-    router = Router(config, resume=resume)
+    router = Router(config, resume=resume, standby=standby)
     await router.run(config.listen_host, config.listen_port)
 
 
@@ -116,9 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         print("narwhal-serve: give --config FILE, --check-config FILE or --demo", file=sys.stderr)
         return EXIT_CONFIG
-    if args.standby:
-        print("narwhal-serve: --standby is not available yet", file=sys.stderr)
-        return EXIT_CONFIG
     try:
         config = load_config(args.config)
         if args.listen:
@@ -128,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_startable(config)
     if problems:
         return _fail_config(problems)
-    asyncio.run(_main_async(_serve(config, resume=args.resume)))
+    if args.standby and config.lease.backend == "none":
+        return _fail_config(["lease.backend: --standby needs a shared lease (file or etcd)"])
+    asyncio.run(_main_async(_serve(config, resume=args.resume, standby=args.standby)))
     return 0
 
 

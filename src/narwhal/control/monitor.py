@@ -140,11 +140,17 @@ class Monitor:
         self._metrics.monitor_passes.labels("ok" if first is None else "failed").inc()
         self._metrics.monitor_failure_streak.set(st.streak)
 
-    async def run_forever(self, interval_s: float) -> None:
-        """Run a pass every interval; a slow pass delays the next, never overlaps it."""
+    async def run_forever(
+        self, interval_s: float, should_run: Callable[[], bool] = lambda: True
+    ) -> None:
+        """Run a pass every interval; a slow pass delays the next, never overlaps it.
+
+        `should_run` pauses passes while this router does not own serving (a standby).
+        """
         while True:
             started = self._clock.monotonic()
-            await self.run_pass(started)
+            if should_run():
+                await self.run_pass(started)
             elapsed = self._clock.monotonic() - started
             await asyncio.sleep(max(0.0, interval_s - elapsed))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 
 class HttpListener:
@@ -16,10 +17,6 @@ class HttpListener:
     def port(self) -> int:
         return self._port
 
-    @property
-    def is_open(self) -> bool:
-        return self._site is not None
-
     async def open(self) -> int:
         """Listen (again) on the port; an ephemeral port is fixed by the first open."""
         if self._site is None:
@@ -29,15 +26,14 @@ class HttpListener:
             self._port = site.port
         return self._port
 
-    async def close(self) -> None:
-        """Stop accepting (new connections are refused) and close idle keep-alive connections.
+    async def close(self) -> list[RequestHandler]:
+        """Stop accepting: new connections are refused at the TCP level.
 
-        Requests in flight finish; their connections close after the response.
+        Returns the open connections; `handler.close()` then `await handler.shutdown(None)`
+        closes one, at once when idle, after its response when a request is in flight.
         """
         if self._site is not None:
             site, self._site = self._site, None
             await site.stop()
         server = self._runner.server
-        if server is not None:
-            for handler in server.connections:
-                handler.close()
+        return server.connections if server is not None else []

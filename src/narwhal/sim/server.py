@@ -118,14 +118,22 @@ class SimServer:
                 await side.close()
 
     async def _refuse(self, listener: HttpListener, duration_s: float | None) -> None:
-        """Refuse connections for `duration_s` (None: for good), then listen again."""
+        """Refuse connections for `duration_s` (None: for good), then listen again.
+
+        Open keep-alive connections are closed too (idle ones at once, busy ones after their
+        response), so a client cannot keep using a pooled connection.
+        """
         log.info("refusing connections for %s s", duration_s)
-        await listener.close()
-        await pause(self._sleeper, duration_s)
-        while True:
-            try:
-                await listener.open()
-                return
-            except OSError as exc:
-                log.warning("cannot listen again on port %d yet: %s", listener.port, exc)
-                await self._sleeper(_REOPEN_RETRY_S)
+        connections = await listener.close()
+        async with asyncio.TaskGroup() as tg:
+            for handler in connections:
+                handler.close()  # as aiohttp's own shutdown: wakes an idle connection first
+                tg.create_task(handler.shutdown(None))
+            await pause(self._sleeper, duration_s)
+            while True:
+                try:
+                    await listener.open()
+                    break
+                except OSError as exc:
+                    log.warning("cannot listen again on port %d yet: %s", listener.port, exc)
+                    await self._sleeper(_REOPEN_RETRY_S)

@@ -156,5 +156,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS_S,
         )
 
+        self.lease_role = Gauge(
+            "narwhal_lease_role", "1 for this router's lease role", ["role"], registry=r
+        )
+        self.lease_epoch = Gauge("narwhal_lease_epoch", "The epoch this router holds", registry=r)
+        self.lease_acquisitions = Counter(
+            "narwhal_lease_acquisitions", "Lease acquisitions by this router", registry=r
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,150 @@
+"""Serving ownership: lease renewal while active, following and takeover while standby.
+
+The active renews every `lease.renew_interval_s`. A standby (or a fenced router) re-reads
+the active's handoff each interval and applies it (ignoring older epochs), counts the
+active's failing `/ready` toward `standby.takeover_threshold`, and takes the lease when it
+expired or at the threshold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from narwhal.clock import Clock
+from narwhal.config import Config
+from narwhal.control.fleet import Fleet
+from narwhal.state.handoff import HandoffWriter, apply_document, check_document, load_schema
+from narwhal.state.lease import LeaseKeeper, Role
+from narwhal.telemetry.metrics import Metrics
+
+log = logging.getLogger("narwhal.ownership")
+
+
+class Ownership:
+    def __init__(
+        self,
+        config: Config,
+        keeper: LeaseKeeper,
+        fleet: Fleet,
+        handoff: HandoffWriter,
+        metrics: Metrics,
+        clock: Clock,
+    ) -> None:
+        self._cfg = config
+        self.keeper = keeper
+        self._fleet = fleet
+        self._handoff = handoff
+        self._metrics = metrics
+        self._clock = clock
+        self._schema = load_schema()
+        self.active_failures = 0
+        self.followed: dict[str, Any] | None = None
+        self.follow_error: str | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self, standby: bool) -> None:
+        """A non-standby router takes a free or expired lease at start; else it follows."""
+        if not standby:
+            await self.keeper.try_acquire(preempt=False)
+        if self.keeper.role is not Role.ACTIVE:
+            await self.follow()
+        self._publish()
+
+    def _publish(self) -> None:
+        for role in Role:
+            self._metrics.lease_role.labels(role.value).set(int(self.keeper.role is role))
+        self._metrics.lease_epoch.set(self.keeper.epoch or 0)
+
+    async def run(self) -> None:
+        """Renew while active; follow and watch for takeover otherwise."""
+        try:
+            while True:
+                if self.keeper.role is Role.ACTIVE:
+                    await self.keeper.renew()
+                    interval = self._cfg.lease.renew_interval_s
+                else:
+                    await self.standby_step()
+                    interval = self._cfg.controller.monitor_interval_s
+                self._publish()
+                await asyncio.sleep(interval)
+        finally:
+            if self._session is not None:
+                await self._session.close()
+
+    async def standby_step(self) -> None:
+        await self.follow()
+        await self._check_active()
+        record = await self.keeper.observe()
+        if self.keeper.store_error is not None:
+            return
+        expired = record is None or record.expired(self._clock.wall())
+        threshold = self._cfg.standby.takeover_threshold
+        if record is not None and record.holder == self.keeper.router_id and not expired:
+            return  # our own old record: wait for it to expire rather than preempt ourselves
+        if expired or self.active_failures >= threshold:
+            won = await self.keeper.try_acquire(preempt=not expired)
+            if won:
+                self._metrics.lease_acquisitions.inc()
+                self.active_failures = 0
+                if self.followed is not None:
+                    self._handoff.continue_from(self.followed)
+
+    async def follow(self) -> None:
+        """Apply the active's latest handoff, never one from an older epoch."""
+        try:
+            raw = await self.keeper.store.read_handoff()
+        except Exception as exc:  # a store outage must not stop following later
+            self.follow_error = f"{type(exc).__name__}: {exc}"
+            return
+        if raw is None:
+            return
+        verdict = check_document(raw, self._cfg, self._schema)
+        if not verdict.ok or verdict.document is None:
+            self.follow_error = verdict.reason
+            return
+        doc = verdict.document
+        epoch = doc["writer"]["lease_epoch"] or 0
+        if self.followed is not None:
+            seen_epoch = self.followed["writer"]["lease_epoch"] or 0
+            if (epoch, doc["sequence"]) <= (seen_epoch, self.followed["sequence"]):
+                return  # older epoch, or nothing new
+        apply_document(doc, self._fleet, self._clock)
+        self.followed = doc
+        self.follow_error = None
+
+    async def _check_active(self) -> None:
+        url = self._cfg.standby.active_url
+        if url is None:
+            return
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self._cfg.engine.health_timeout_s)
+            )
+        try:
+            async with self._session.get(url + "/ready") as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            ok = False
+        self.active_failures = 0 if ok else self.active_failures + 1
+
+    async def write_handoff(self, doc: dict[str, Any], data: bytes) -> None:
+        """The handoff stage's write: epoch-guarded; a fenced or standby router is silent."""
+        if self.keeper.role is not Role.ACTIVE:
+            return
+        if await self.keeper.write_handoff(data):
+            if self._cfg.lease.backend == "etcd":
+                await self._handoff.write_local(data)  # the local copy serves --resume
+            self._handoff.accept(doc)
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.keeper.to_json(self._clock.monotonic())
+        out["active_failures"] = self.active_failures
+        out["takeover_threshold"] = self._cfg.standby.takeover_threshold
+        out["followed_sequence"] = self.followed["sequence"] if self.followed else None
+        out["follow_error"] = self.follow_error
+        return out
