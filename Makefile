@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-fast clean
+.PHONY: demo test lint typecheck pytest test-fast clean system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+# A real etcd server for the etcd lease backend's tests (Debian's etcd-server).
+system-deps:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "installing etcd-server (Debian)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+
+pytest: $(STAMP) system-deps
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
 
 # Local loop: skips the slow end-to-end scenarios (CI runs everything).
-test-fast: $(STAMP)
+test-fast: $(STAMP) system-deps
 	$(BIN)/pytest -q -m 'not slow'
 
 clean:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -264,6 +265,30 @@ class AdminConfig(_Section):
         return None
 
 
+class AttestationConfig(_Section):
+    """How readmission attests an engine: `none`, `tls` or `command`."""
+
+    kind: Literal["none", "tls", "command"] = "none"
+    ca_file: str | None = None
+    command: tuple[str, ...] | None = None
+    timeout_s: PositiveFloat = 5.0
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(shlex.split(value))
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _needs(self) -> Self:
+        if self.kind == "tls" and not self.ca_file:
+            raise ValueError("ca_file: required when kind is tls")
+        if self.kind == "command" and not self.command:
+            raise ValueError("command: required when kind is command")
+        return self
+
+
 def _parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
@@ -284,6 +309,7 @@ class Config(_Section):
     lease: LeaseConfig = LeaseConfig()
     standby: StandbyConfig = StandbyConfig()
     admin: AdminConfig = AdminConfig()
+    attestation: AttestationConfig = AttestationConfig()
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -97,8 +97,17 @@ class Router:
             config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics
         )
         self.small = SmallStages(config, self.fleet, self.lifecycle, self.metrics)
+        self.prober = InferenceProber(
+            config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
+        )
         self.readmission = Readmission(
-            config, self.fleet, self.client, self.lifecycle, self.metrics, rng or random.Random()
+            config,
+            self.fleet,
+            self.client,
+            self.lifecycle,
+            self.metrics,
+            rng or random.Random(),
+            self.prober,
         )
         self.handoff = HandoffWriter(
             Path(config.handoff.path),
@@ -123,9 +132,6 @@ class Router:
             self.admission.add_check(
                 "lease", lambda: keeper.admission_reason(self.clock.monotonic())
             )
-        self.prober = InferenceProber(
-            config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
-        )
         stages: dict[str, Stage] = {
             "controller": self.small.controller,
             "health": self._health_stage,

@@ -113,7 +113,7 @@ class InferenceProber:
         else:
             log.info("engine %s inference probe inconclusive: %s", engine.id, result.reason)
 
-    def _peer(self, role: Role, probed: EngineState) -> EngineState | None:
+    def peer(self, role: Role, probed: EngineState) -> EngineState | None:
         now = self._clock.monotonic()
         candidates = [c for c in self._fleet.candidates(role, now) if c.id != probed.id]
         peer_id = least_in_flight(candidates, 0)
@@ -123,7 +123,7 @@ class InferenceProber:
         """One probe; never raises for engine trouble."""
         try:
             if engine.role is Role.BOTH:
-                await self._decode(
+                await self.decode_leg(
                     engine,
                     {
                         "model": self._cfg.model,
@@ -134,32 +134,32 @@ class InferenceProber:
                 )
                 return ProbeResult(Verdict.OK, "unified leg completed")
             if engine.role is Role.PREFILL:
-                handoff = await self._prefill(engine)
-                peer = self._peer(Role.DECODE, engine)
+                handoff = await self.prefill_leg(engine)
+                peer = self.peer(Role.DECODE, engine)
                 if peer is None:
                     return ProbeResult(Verdict.INCONCLUSIVE, "no healthy decode peer")
                 try:
-                    await self._decode(peer, self._decode_body(handoff))
+                    await self.decode_leg(peer, self.decode_body(handoff))
                 except EngineFailure as exc:
                     return ProbeResult(Verdict.INCONCLUSIVE, f"decode peer {peer.id}: {exc}")
                 return ProbeResult(Verdict.OK, f"prefill leg ok, consumed by {peer.id}")
-            peer = self._peer(Role.PREFILL, engine)
+            peer = self.peer(Role.PREFILL, engine)
             if peer is None:
                 return ProbeResult(Verdict.INCONCLUSIVE, "no healthy prefill peer")
             try:
-                handoff = await self._prefill(peer)
+                handoff = await self.prefill_leg(peer)
             except EngineFailure as exc:
                 return ProbeResult(Verdict.INCONCLUSIVE, f"prefill peer {peer.id}: {exc}")
-            await self._decode(engine, self._decode_body(handoff))
+            await self.decode_leg(engine, self.decode_body(handoff))
             return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}")
         except EngineFailure as exc:
             return ProbeResult(Verdict.FAILED, str(exc), exc.failure_class)
 
-    def _decode_body(self, handoff: vllm.Handoff) -> dict[str, Any]:
+    def decode_body(self, handoff: vllm.Handoff) -> dict[str, Any]:
         body = {"model": self._cfg.model, "prompt": PROBE_PROMPT, "max_tokens": 2, "stream": True}
         return vllm.decode_body(body, handoff)
 
-    async def _prefill(self, engine: EngineState) -> vllm.Handoff:
+    async def prefill_leg(self, engine: EngineState) -> vllm.Handoff:
         body = vllm.prefill_body({"model": self._cfg.model, "prompt": PROBE_PROMPT})
         reply = await self._client.post(
             PoolKind.CONTROL,
@@ -184,7 +184,7 @@ class InferenceProber:
             raise EngineFailure(FailureClass.KV_HANDOFF, f"prefill leg: {reason}")
         return result
 
-    async def _decode(self, engine: EngineState, body: dict[str, Any]) -> None:
+    async def decode_leg(self, engine: EngineState, body: dict[str, Any]) -> None:
         """Run a streamed leg to its terminal marker within the probe timeout."""
         session = self._client.session(PoolKind.CONTROL)
         headers = engine_headers(engine.config.resolved_api_key(), f"narwhal-probe-{engine.id}")

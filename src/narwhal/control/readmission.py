@@ -1,8 +1,8 @@
 """Readmission: ejected engines come back only after verification, retried with backoff.
 
 Steps run in order over the control pool and stop at the first failure, which is reported
-with its step name and reason: health, model identity, generation identity, final health.
-(Attestation and the functional KV-role check are added by the readmission work.)
+with its step name and reason: health, attestation, model identity, generation identity,
+role-permitted KV transfer (declared and functional), final health.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from typing import Any
 
 import orjson
 
-from narwhal.config import Config
+from narwhal.config import KV_ROLE_PERMITS, Config, Role
+from narwhal.control.attestation import Outcome, attest
 from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.health import Answer, check_health, parse_generation
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
+from narwhal.control.probes import InferenceProber
 from narwhal.engine.failures import EngineFailure
 from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
 from narwhal.telemetry.metrics import Metrics
@@ -31,9 +33,21 @@ class StepResult:
     step: str
     ok: bool
     reason: str
+    status: str = ""  # passed | failed | not_configured
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "ok": self.ok, "reason": self.reason}
+        status = self.status or ("passed" if self.ok else "failed")
+        return {"step": self.step, "ok": self.ok, "status": status, "reason": self.reason}
+
+
+STEPS = (
+    "health",
+    "attestation",
+    "model_identity",
+    "generation_identity",
+    "kv_transfer",
+    "final_health",
+)
 
 
 def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -51,6 +65,7 @@ class Readmission:
         lifecycle: Lifecycle,
         metrics: Metrics,
         rng: random.Random,
+        prober: InferenceProber,
     ) -> None:
         self._cfg = config
         self._fleet = fleet
@@ -58,6 +73,7 @@ class Readmission:
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._rng = rng
+        self._prober = prober
         self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         self._next_try: dict[str, float] = {}
         self._attempts: dict[str, int] = {}
@@ -117,6 +133,37 @@ class Readmission:
             return True, "health 200"
         assert result.failure is not None
         return False, result.failure.detail
+
+    async def _attestation(self, engine: EngineState) -> tuple[bool, str]:
+        result = await attest(self._cfg.attestation, engine.config)
+        return result.outcome is not Outcome.FAILED, result.reason
+
+    async def _kv_transfer(self, engine: EngineState) -> tuple[bool, str]:
+        """The declared KV role permits the assigned role, and it works functionally."""
+        kv_role = engine.config.effective_kv_role
+        if engine.role not in KV_ROLE_PERMITS[kv_role]:
+            return False, f"kv_role {kv_role.value} does not permit role {engine.role.value}"
+        try:
+            if engine.role is Role.PREFILL:
+                await self._prober.prefill_leg(engine)
+                return True, "produced a readable handoff"
+            if engine.role is Role.DECODE:
+                peer = self._prober.peer(Role.PREFILL, engine)
+                if peer is None:
+                    return False, "no healthy prefill peer to produce a handoff to consume"
+                try:
+                    handoff = await self._prober.prefill_leg(peer)
+                except EngineFailure as exc:
+                    return False, f"prefill peer {peer.id} could not produce a handoff: {exc}"
+                await self._prober.decode_leg(engine, self._prober.decode_body(handoff))
+                return True, f"consumed a handoff from {peer.id}"
+            await self._prober.decode_leg(
+                engine,
+                {"model": self._cfg.model, "prompt": "probe", "max_tokens": 2, "stream": True},
+            )
+            return True, "served a unified request"
+        except EngineFailure as exc:
+            return False, str(exc)
 
     async def _model(self, engine: EngineState) -> tuple[bool, str]:
         try:

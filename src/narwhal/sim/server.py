@@ -27,7 +27,7 @@ from narwhal.sim.side_channel import SideChannelServer
 
 log = logging.getLogger(__name__)
 
-_SHUTDOWN_TIMEOUT_S = 1.0
+_SHUTDOWN_TIMEOUT_S = 0.25  # a stalled request does not hold up a SIGTERM
 _REOPEN_RETRY_S = 0.1
 
 
