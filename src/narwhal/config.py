@@ -172,6 +172,12 @@ class ControllerConfig(_Section):
     monitor_interval_s: PositiveFloat = 1.0
     monitor_failure_limit: PositiveInt = 3
     interval_s: PositiveFloat = 30.0
+    drift_mode: Literal["off", "detect", "enforce"] = "enforce"
+    drift_factor: float = Field(default=3.0, gt=1.0)
+    drift_min_samples: PositiveInt = 20
+    drift_intervals: PositiveInt = 2
+    drift_hold_s: PositiveFloat = 300.0
+    rebalance_roles: bool = False
 
 
 class RecoveryConfig(_Section):

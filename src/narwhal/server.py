@@ -24,6 +24,7 @@ from narwhal.control.evidence import Action, EvidenceRecorder
 from narwhal.control.fleet import Fleet
 from narwhal.control.health import Answer, HealthStages, check_health
 from narwhal.control.holds import HoldName
+from narwhal.control.intervals import IntervalStats
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.monitor import Monitor, Stage
 from narwhal.control.ownership import Ownership
@@ -81,7 +82,10 @@ class Router:
         self.client = EngineClient(
             config.serving.max_connections, config.engine.control_connections
         )
-        self.evidence = EvidenceRecorder(self.fleet, self.metrics, config.recovery.eject_after)
+        self.stats = IntervalStats(config.controller.interval_s, self.clock.monotonic())
+        self.evidence = EvidenceRecorder(
+            self.fleet, self.metrics, config.recovery.eject_after, stats=self.stats
+        )
         self.lifecycle = Lifecycle(config, self.fleet, self.metrics, self.clock)
         self.dataplane = DataPlane(
             config,
@@ -92,11 +96,11 @@ class Router:
             self.clock,
             self.admission,
             new_request_id or (lambda: f"narwhal-{uuid.uuid4().hex}"),
+            stats=self.stats,
         )
         self.health = HealthStages(
             config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics
         )
-        self.small = SmallStages(config, self.fleet, self.lifecycle, self.metrics)
         self.prober = InferenceProber(
             config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
         )
@@ -108,6 +112,14 @@ class Router:
             self.metrics,
             rng or random.Random(),
             self.prober,
+        )
+        self.small = SmallStages(
+            config,
+            self.fleet,
+            self.lifecycle,
+            self.metrics,
+            self.stats,
+            self.readmission.verify_kv_role,
         )
         self.handoff = HandoffWriter(
             Path(config.handoff.path),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from enum import StrEnum
 
 from narwhal.control.fleet import Fleet
+from narwhal.control.intervals import IntervalStats
 from narwhal.engine.failures import (
     CLEARS,
     INFERENCE_CLASSES,
@@ -53,7 +54,10 @@ ActionHandler = Callable[[str, FailureClass, Action, str], None]
 class EvidenceRecorder:
     """The evidence sink of the data plane, the health stage and probes."""
 
-    def __init__(self, fleet: Fleet, metrics: Metrics, eject_after: int) -> None:
+    def __init__(
+        self, fleet: Fleet, metrics: Metrics, eject_after: int, stats: IntervalStats | None = None
+    ) -> None:
+        self._stats = stats
         self._fleet = fleet
         self._metrics = metrics
         self._eject_after = eject_after
@@ -69,6 +73,8 @@ class EvidenceRecorder:
         engine.evidence[cls] = streak
         self._metrics.failures.labels(engine_id, cls.value).inc()
         self._fleet.counters.failures[(engine_id, cls.value)] += 1
+        if self._stats is not None:
+            self._stats.failure(engine_id, cls.value)
         self._metrics.evidence_streak.labels(engine_id, cls.value).set(streak)
         action = action_for(cls, streak, self._eject_after)
         log.debug(

@@ -123,6 +123,10 @@ class Readmission:
                 log.info("engine %s readmission failed at %s: %s", engine.id, name, reason)
                 break
         self.last_results[engine.id] = results
+        failed = next((r for r in results if not r.ok), None)
+        self._metrics.readmissions.labels(
+            engine.id, "failed" if failed else "passed", failed.step if failed else ""
+        ).inc()
         return results
 
     async def _health(self, engine: EngineState) -> tuple[bool, str]:
@@ -139,15 +143,18 @@ class Readmission:
         return result.outcome is not Outcome.FAILED, result.reason
 
     async def _kv_transfer(self, engine: EngineState) -> tuple[bool, str]:
-        """The declared KV role permits the assigned role, and it works functionally."""
+        return await self.verify_kv_role(engine, engine.role)
+
+    async def verify_kv_role(self, engine: EngineState, role: Role) -> tuple[bool, str]:
+        """The declared KV role permits `role`, and the engine does it functionally."""
         kv_role = engine.config.effective_kv_role
-        if engine.role not in KV_ROLE_PERMITS[kv_role]:
-            return False, f"kv_role {kv_role.value} does not permit role {engine.role.value}"
+        if role not in KV_ROLE_PERMITS[kv_role]:
+            return False, f"kv_role {kv_role.value} does not permit role {role.value}"
         try:
-            if engine.role is Role.PREFILL:
+            if role is Role.PREFILL:
                 await self._prober.prefill_leg(engine)
                 return True, "produced a readable handoff"
-            if engine.role is Role.DECODE:
+            if role is Role.DECODE:
                 peer = self._prober.peer(Role.PREFILL, engine)
                 if peer is None:
                     return False, "no healthy prefill peer to produce a handoff to consume"

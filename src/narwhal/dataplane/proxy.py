@@ -24,6 +24,7 @@ from narwhal.config import Config, Role
 from narwhal.control.admission import Admission
 from narwhal.control.evidence_sink import EvidenceSink
 from narwhal.control.fleet import EngineState, Fleet
+from narwhal.control.intervals import IntervalStats
 from narwhal.dataplane.errors import openai_error, sse_error_event
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
@@ -84,6 +85,7 @@ class DataPlane:
         clock: Clock,
         admission: Admission,
         new_request_id: Callable[[], str],
+        stats: IntervalStats | None = None,
     ) -> None:
         self._cfg = config
         self._serving = config.serving
@@ -94,6 +96,7 @@ class DataPlane:
         self._clock = clock
         self._admission = admission
         self._new_id = new_request_id
+        self._stats = stats or IntervalStats(config.controller.interval_s, clock.monotonic())
         self.pool = Pool("data", config.serving.max_connections)
         self._tokens = TokenBudget(config.serving.token_count_cache_size)
         self._rotation = 0
@@ -327,6 +330,8 @@ class DataPlane:
         if remaining <= 0:
             raise DeadlineExceeded()
         limit = min(self._serving.first_token_timeout_s, remaining)
+        self._stats.request(engine.id)
+        leg_start = time.perf_counter()
         with self._in_flight(engine):
             try:
                 reply = await self._client.post(
@@ -357,6 +362,7 @@ class DataPlane:
             assert isinstance(parsed, dict)
             return _finished_response(req, parsed)
         self._succeed(engine, "prefill", SuccessKind.PREFILL_HANDOFF)
+        self._stats.latency(engine.id, time.perf_counter() - leg_start)
         return result
 
     async def _final_leg(
@@ -372,6 +378,7 @@ class DataPlane:
         data = orjson.dumps(body)
         url = engine.config.url + PATHS[req.endpoint]
         headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+        self._stats.request(engine.id)
         with self._in_flight(engine):
             if not req.stream:
                 remaining = deadline - self._clock.monotonic()
@@ -411,7 +418,7 @@ class DataPlane:
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         scanner = SseScanner()
-        last_chunk = 0.0
+        leg_start = last_chunk = time.perf_counter()
         session = self._client.session(PoolKind.DATA)
         resp: aiohttp.ClientResponse | None = None
         try:
@@ -445,12 +452,14 @@ class DataPlane:
                             if not attempt.started:
                                 await client.prepare(request)
                                 attempt.started = True
+                                self._stats.latency(engine.id, now - leg_start)
                                 self._metrics.ttft.observe(
                                     self._clock.monotonic()
                                     - (deadline - self._serving.request_timeout_s)
                                 )
                             else:
                                 self._metrics.inter_token.observe(now - last_chunk)
+                                self._stats.inter_token(engine.id, now - last_chunk)
                             await client.write(chunk)
                         except _CLIENT_GONE:
                             raise ClientGone() from None

@@ -153,7 +153,7 @@ class SimApp:
             raw.decode(errors="replace") if doc is None else doc,
             leg,
         )
-        self._metrics.requests.labels(leg=leg.value).inc()
+        self._metrics.count_request(leg)
         if self._faults.fire(FaultKind.RESET_CONNECTIONS, leg):
             return _reset(request)
         if status := self._faults.fire(FaultKind.COMPLETION_STATUS, leg):
@@ -197,8 +197,9 @@ class SimApp:
 
     def _stream_faults(self, leg: Leg) -> StreamFaults:
         stall = self._faults.fire(FaultKind.STALL_MID_STREAM, leg)
+        after = None if stall is None else stall.spec.after_tokens
         return StreamFaults(
-            stall_after_tokens=None if stall is None else stall.spec.after_tokens or 1,
+            stall_after_tokens=None if stall is None else 1 if after is None else after,
             stall_s=None if stall is None else stall.spec.delay_s,
             no_done=self._faults.fire(FaultKind.NO_DONE, leg) is not None,
             malformed=self._faults.fire(FaultKind.MALFORMED_EVENT, leg) is not None,

@@ -54,9 +54,12 @@ async def run_bench(
 
         async def worker() -> None:
             while clock.monotonic() < deadline:
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    await resp.read()
-                    counts[0 if resp.status == 200 else 1] += 1
+                try:
+                    async with session.post(url + "/v1/completions", json=body) as resp:
+                        await resp.read()
+                        counts[0 if resp.status == 200 else 1] += 1
+                except aiohttp.ClientError:
+                    counts[1] += 1
 
         async with asyncio.TaskGroup() as tg:
             for _ in range(concurrency):

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from narwhal.sim.config import KvRole, Role
+
 _START_TIMEOUT_S = 20.0
 _STOP_GRACE_S = 5.0
 _READY_PREFIX = "narwhal-sim listening on "
@@ -22,17 +24,21 @@ _READY_PREFIX = "narwhal-sim listening on "
 class EngineSpec:
     name: str
     port: int
-    role: str
-    kv_role: str
+    role: Role
+    kv_role: KvRole
 
 
 def fleet_specs(prefill: int, decode: int, base_port: int) -> list[EngineSpec]:
-    return [
-        EngineSpec(f"prefill-{i}", base_port + i, "prefill", "kv_producer") for i in range(prefill)
-    ] + [
-        EngineSpec(f"decode-{i}", base_port + 100 + i, "decode", "kv_consumer")
+    """Prefill engines from `base_port`, decode engines from `base_port + 100`."""
+    prefills = [
+        EngineSpec(f"prefill-{i}", base_port + i, Role.PREFILL, KvRole.PRODUCER)
+        for i in range(prefill)
+    ]
+    decodes = [
+        EngineSpec(f"decode-{i}", base_port + 100 + i, Role.DECODE, KvRole.CONSUMER)
         for i in range(decode)
     ]
+    return prefills + decodes
 
 
 async def _spawn(spec: EngineSpec, host: str, extra: Sequence[str]) -> asyncio.subprocess.Process:
@@ -46,9 +52,9 @@ async def _spawn(spec: EngineSpec, host: str, extra: Sequence[str]) -> asyncio.s
         "--port",
         str(spec.port),
         "--role",
-        spec.role,
+        spec.role.value,
         "--kv-role",
-        spec.kv_role,
+        spec.kv_role.value,
         "--engine-id",
         spec.name,
         *extra,
@@ -68,7 +74,8 @@ async def _ready_url(proc: asyncio.subprocess.Process) -> str:
 async def _stop(procs: Sequence[asyncio.subprocess.Process]) -> None:
     for proc in procs:
         if proc.returncode is None:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
     for proc in procs:
         try:
             async with asyncio.timeout(_STOP_GRACE_S):
@@ -102,7 +109,7 @@ async def run_fleet(
         await _stop(procs)
         return 1
     for spec, url in zip(specs, urls, strict=True):
-        print(f"narwhal-sim fleet: {spec.role} {spec.name} {url}", flush=True)
+        print(f"narwhal-sim fleet: {spec.role.value} {spec.name} {url}", flush=True)
     print("narwhal-sim fleet ready", flush=True)
     async with asyncio.TaskGroup() as tg:
         watchers = [
@@ -113,6 +120,5 @@ async def run_fleet(
         finally:
             for w in watchers:
                 w.cancel()
-            with contextlib.suppress(Exception):
-                await _stop(procs)
+            await _stop(procs)
     return 0

@@ -35,11 +35,10 @@ class SimMetrics:
         self._held = Gauge(
             "narwhal_sim_kv_handoffs_held", "Handoffs kept for a decode engine", registry=r
         )
-        self.requests = Counter(
+        requests = Counter(
             "narwhal_sim_requests", "Completion requests by leg", ["leg"], registry=r
         )
-        for leg in Leg:
-            self.requests.labels(leg=leg.value)
+        self._requests = {leg: requests.labels(leg=leg.value) for leg in Leg}
         self.rejected = Counter(
             "narwhal_sim_rejected", "Completions refused above --max-concurrency", registry=r
         )
@@ -70,6 +69,9 @@ class SimMetrics:
         self._running.set_function(running)
         self._start_time.set_function(start_time)
         self._held.set_function(handoffs_held)
+
+    def count_request(self, leg: Leg) -> None:
+        self._requests[leg].inc()
 
     def fault_fired(self, kind: FaultKind) -> None:
         self.faults_fired.labels(kind=kind.value).inc()

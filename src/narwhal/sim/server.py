@@ -55,21 +55,35 @@ class SimServer:
         store = KvStore(self._clock, c.kv_ttl_s)
         side = SideChannelServer(store, c.engine_id, metrics.kv_blocks_served.inc)
         side_port = await side.start(c.host)
-        engine = SimEngine(
-            c,
-            clock=self._clock,
-            rng=self._rng,
-            sleeper=self._sleeper,
-            store=store,
-            faults=faults,
-            metrics=metrics,
-            side_channel_port=side_port,
-        )
-        metrics.watch(
-            running=lambda: engine.running,
-            start_time=lambda: engine.start_time,
-            handoffs_held=store.held,
-        )
+        try:
+            engine = SimEngine(
+                c,
+                clock=self._clock,
+                rng=self._rng,
+                sleeper=self._sleeper,
+                store=store,
+                faults=faults,
+                metrics=metrics,
+                side_channel_port=side_port,
+            )
+            metrics.watch(
+                running=lambda: engine.running,
+                start_time=lambda: engine.start_time,
+                handoffs_held=store.held,
+            )
+            await self._serve_http(engine, faults, metrics, started, stop)
+        finally:
+            await side.close()
+
+    async def _serve_http(
+        self,
+        engine: SimEngine,
+        faults: FaultBook,
+        metrics: SimMetrics,
+        started: Callable[[str], None],
+        stop: asyncio.Event,
+    ) -> None:
+        c = self.config
         reopen: asyncio.Task[None] | None = None
         async with asyncio.TaskGroup() as tg:
 
@@ -115,7 +129,6 @@ class SimServer:
                 if reopen is not None:
                     reopen.cancel()
                 await runner.cleanup()
-                await side.close()
 
     async def _refuse(self, listener: HttpListener, duration_s: float | None) -> None:
         """Refuse connections for `duration_s` (None: for good), then listen again.

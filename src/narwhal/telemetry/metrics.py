@@ -164,5 +164,36 @@ class Metrics:
             "narwhal_lease_acquisitions", "Lease acquisitions by this router", registry=r
         )
 
+        self.eligible_engines = Gauge(
+            "narwhal_eligible_engines", "Eligible engines per role", ["role"], registry=r
+        )
+        self.consolidation_high = Gauge(
+            "narwhal_consolidation_risk_high",
+            "1 when a role has one or no eligible engine",
+            ["role"],
+            registry=r,
+        )
+        self.drift_detected = Counter(
+            "narwhal_performance_drift_detected",
+            "Intervals an engine was found drifting",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_eligible = Gauge(
+            "narwhal_engine_eligible",
+            "1 when the engine may take new work",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_ejected = Gauge(
+            "narwhal_engine_ejected", "1 when the engine is ejected", ["engine"], registry=r
+        )
+        self.readmissions = Counter(
+            "narwhal_readmissions",
+            "Readmission attempts by result and failing step",
+            ["engine", "result", "step"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,63 @@
+"""Performance drift: an engine much slower than its role's median, interval after interval.
+
+`find_drift` is a pure function over closed windows: an engine drifts in an interval when
+it has at least `min_samples` latency samples and its median is above `factor` times the
+median of its role's engines (that also have enough samples); it is flagged when it drifted
+in each of the last `intervals` closed windows.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from narwhal.control.intervals import Window
+
+
+@dataclass(frozen=True, slots=True)
+class DriftSettings:
+    factor: float
+    min_samples: int
+    intervals: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    engine_id: str
+    reason: str
+
+
+def _drifting(window: Window, members: Sequence[str], s: DriftSettings) -> dict[str, str]:
+    medians: dict[str, float] = {}
+    for engine_id in members:
+        w = window.engines.get(engine_id)
+        if w is None or w.latency.total < s.min_samples:
+            continue
+        p50 = w.latency.quantile(0.5)
+        if p50 is not None:
+            medians[engine_id] = p50
+    if len(medians) < 2:
+        return {}
+    role_median = statistics.median(medians.values())
+    return {
+        e: f"p50 {m * 1000:.1f} ms > {s.factor} x role median {role_median * 1000:.1f} ms"
+        for e, m in medians.items()
+        if m > s.factor * role_median
+    }
+
+
+def find_drift(
+    closed: Sequence[Window], roles: Mapping[str, Sequence[str]], s: DriftSettings
+) -> list[Drift]:
+    """Engines drifting in every one of the last `s.intervals` closed windows."""
+    if len(closed) < s.intervals:
+        return []
+    recent = list(closed)[-s.intervals :]
+    out = []
+    for members in roles.values():
+        per_window = [_drifting(w, members, s) for w in recent]
+        for engine_id in members:
+            if all(engine_id in d for d in per_window):
+                out.append(Drift(engine_id, per_window[-1][engine_id]))
+    return out
