@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from importlib import resources
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -67,7 +68,9 @@ def add_routes(app: web.Application, router: Router) -> None:
         return guarded
 
     async def admin_engines(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"engines": router.engines_json()})
+        return web.json_response(
+            {"engines": router.engines_json(), "consolidation_risk": router.small.risk}
+        )
 
     async def admin_monitor(request: web.Request) -> web.StreamResponse:
         return web.json_response(router.monitor.to_json())
@@ -132,3 +135,48 @@ def add_routes(app: web.Application, router: Router) -> None:
         return web.json_response(router.ownership.to_json())
 
     app.router.add_get("/admin/lease", admin(admin_lease))
+
+    page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
+
+    async def dashboard(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=page, content_type="text/html")
+
+    async def admin_dashboard(request: web.Request) -> web.StreamResponse:
+        lease = (
+            router.ownership.to_json()
+            if router.ownership is not None
+            else {"backend": "none", "role": "active"}
+        )
+        return web.json_response(
+            {
+                "router_id": router.config.effective_router_id,
+                "ready": router.ready(),
+                "engines": router.engines_json(),
+                "monitor": router.monitor.to_json(),
+                "lease": lease,
+                "timeline": [s.to_json() for s in router.timeline.samples],
+            }
+        )
+
+    async def admin_stats(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "interval_s": router.config.controller.interval_s,
+                "current": {e: w.to_json() for e, w in router.stats.current.engines.items()},
+                "closed": [
+                    {
+                        "started": w.started,
+                        "engines": {e: x.to_json() for e, x in w.engines.items()},
+                    }
+                    for w in router.stats.closed
+                ],
+                "drift": [{"engine": d.engine_id, "reason": d.reason} for d in router.small.drift],
+                "drift_mode": router.config.controller.drift_mode,
+                "consolidation_risk": router.small.risk,
+                "rebalances": router.small.rebalances,
+            }
+        )
+
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/admin/dashboard", admin(admin_dashboard))
+    app.router.add_get("/admin/stats", admin(admin_stats))

@@ -49,6 +49,7 @@ from narwhal.state.handoff import (
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
 from narwhal.telemetry.metrics import Metrics
+from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.router")
 
@@ -83,6 +84,7 @@ class Router:
             config.serving.max_connections, config.engine.control_connections
         )
         self.stats = IntervalStats(config.controller.interval_s, self.clock.monotonic())
+        self.timeline = Timeline()
         self.evidence = EvidenceRecorder(
             self.fleet, self.metrics, config.recovery.eject_after, stats=self.stats
         )
@@ -97,6 +99,7 @@ class Router:
             self.admission,
             new_request_id or (lambda: f"narwhal-{uuid.uuid4().hex}"),
             stats=self.stats,
+            timeline=self.timeline,
         )
         self.health = HealthStages(
             config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics
@@ -151,7 +154,7 @@ class Router:
             "rollover": self.small.rollover,
             "readmission": self.readmission.stage,
             "liveness": self.health.liveness,
-            "telemetry": self.small.telemetry,
+            "telemetry": self._telemetry_stage,
             "handoff": self._handoff_stage,
         }
         stages.update(stage_overrides or {})
@@ -165,6 +168,12 @@ class Router:
         self._tasks: asyncio.TaskGroup | None = None
         self._suspects: set[str] = set()
         self.evidence.on_action(self._on_evidence_action)
+
+    async def _telemetry_stage(self, now: float) -> None:
+        await self.small.telemetry(now)
+        self.timeline.sample(self.clock.wall())
+        self.metrics.admitting.set(int(self.admission.admitting))
+        self.ready()
 
     async def _handoff_stage(self, now: float) -> None:
         t0 = time.perf_counter()

@@ -165,6 +165,26 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         print(_table(body["engines"]))
         if args.command == "status":
+            risk = body.get("consolidation_risk") or {}
+            print(
+                "\nconsolidation risk: "
+                + ", ".join(
+                    f"{role} {r['eligible']} eligible{' (HIGH)' if r['high'] else ''}"
+                    for role, r in risk.items()
+                )
+                if risk
+                else "\nconsolidation risk: -"
+            )
+            _, lease = _call(args.url, args.token, "GET", "/admin/lease")
+            if isinstance(lease, dict):
+                line = f"lease: {lease.get('backend')}, this router {lease.get('role')}"
+                if lease.get("holder") is not None:
+                    line += f", holder {lease['holder']} epoch {lease.get('epoch')}"
+                if lease.get("time_left_s") is not None:
+                    line += f", {lease['time_left_s']:.1f} s left"
+                if lease.get("fence_reason"):
+                    line += f" ({lease['fence_reason']})"
+                print(line)
             _, monitor = _call(args.url, args.token, "GET", "/admin/monitor")
             print(
                 f"\nmonitor: streak {monitor['streak']}/{monitor['failure_limit']}, "

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
-import logging
 import signal
 import sys
 from collections.abc import Coroutine
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal.config import Config, ConfigError, load_config, parse_config
+from narwhal.telemetry.logs import configure as configure_logging
 
 EXIT_CONFIG = 2
 
@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="apply the saved handoff if it matches")
     p.add_argument("--standby", action="store_true", help="run as a warm standby")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
     return p
 
 
@@ -100,9 +101,7 @@ async def _main_async(coro: Coroutine[Any, Any, None]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     if args.check_config:
         try:
             config = load_config(args.check_config)

@@ -64,9 +64,12 @@ async def _command(config: AttestationConfig, engine: EngineConfig) -> Attestati
     assert config.command
     try:
         proc = await asyncio.create_subprocess_exec(
-            *config.command, engine.id, engine.url,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+            *config.command,
+            engine.id,
+            engine.url,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
     except OSError as exc:
         return Attestation(Outcome.FAILED, f"cannot run {config.command[0]}: {exc}")
     try:

@@ -111,8 +111,13 @@ class SmallStages:
             self._metrics.drift_detected.labels(d.engine_id).inc()
             log.warning("engine %s performance drift (%s): %s", d.engine_id, c.drift_mode, d.reason)
             if c.drift_mode == "enforce":
-                self._lifecycle.hold(self._fleet.get(d.engine_id), HoldName.PERFORMANCE_DRIFT,
-                                     d.reason, now, duration_s=c.drift_hold_s)  # fmt: skip
+                self._lifecycle.hold(
+                    self._fleet.get(d.engine_id),
+                    HoldName.PERFORMANCE_DRIFT,
+                    d.reason,
+                    now,
+                    duration_s=c.drift_hold_s,
+                )
 
     async def _rebalance(self, now: float) -> None:
         found = rebalance_candidate(self._fleet, now)
@@ -120,8 +125,13 @@ class SmallStages:
             return
         engine, role = found
         ok, reason = await self._verify_role(engine, role)
-        record = {"engine": engine.id, "from": engine.role.value, "to": role.value, "ok": ok,
-                  "reason": reason}  # fmt: skip
+        record = {
+            "engine": engine.id,
+            "from": engine.role.value,
+            "to": role.value,
+            "ok": ok,
+            "reason": reason,
+        }
         self.rebalances = [*self.rebalances[-9:], record]
         if not ok:
             log.warning("engine %s not moved to %s: %s", engine.id, role.value, reason)
@@ -130,8 +140,9 @@ class SmallStages:
         def change(e: EngineState) -> None:
             e.role = role
 
-        self._fleet.transition(engine, now, f"role {engine.role.value} -> {role.value} "
-                               f"(rebalanced: {reason})", change)  # fmt: skip
+        self._fleet.transition(
+            engine, now, f"role {engine.role.value} -> {role.value} (rebalanced: {reason})", change
+        )
 
     async def drains(self, now: float) -> None:
         """Settle drains: record when a drained engine's in-flight count reached zero."""

@@ -41,6 +41,7 @@ from narwhal.engine.failures import (
 )
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
 from narwhal.telemetry.metrics import Metrics
+from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.proxy")
 
@@ -86,6 +87,7 @@ class DataPlane:
         admission: Admission,
         new_request_id: Callable[[], str],
         stats: IntervalStats | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self._cfg = config
         self._serving = config.serving
@@ -97,6 +99,7 @@ class DataPlane:
         self._admission = admission
         self._new_id = new_request_id
         self._stats = stats or IntervalStats(config.controller.interval_s, clock.monotonic())
+        self._timeline = timeline or Timeline()
         self.pool = Pool("data", config.serving.max_connections)
         self._tokens = TokenBudget(config.serving.token_count_cache_size)
         self._rotation = 0
@@ -116,8 +119,10 @@ class DataPlane:
             outcome = "client_disconnect"
             raise
         finally:
+            elapsed = self._clock.monotonic() - start
             self._metrics.requests.labels(endpoint, outcome).inc()
-            self._metrics.total_latency.labels(endpoint).observe(self._clock.monotonic() - start)
+            self._metrics.total_latency.labels(endpoint).observe(elapsed)
+            self._timeline.request(outcome, elapsed)
 
     async def _handle(
         self, endpoint: Endpoint, request: web.Request, start: float
