@@ -22,11 +22,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# A real etcd server for the etcd lease backend's tests (Debian's etcd-server).
+# Debian packages the tests use for real: etcd-server (the etcd lease backend) and chromium
+# (the dashboard, in a headless browser). Installed only when missing.
 system-deps:
-	@command -v etcd >/dev/null 2>&1 || { \
-	  echo "installing etcd-server (Debian)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+	@missing=""; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing (Debian)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
 
 pytest: $(STAMP) system-deps
 	$(BIN)/pytest -q
