@@ -28,5 +28,7 @@ async def eventually(
             return result  # type: ignore[return-value]
         last = result
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+            raise AssertionError(
+                f"timed out after {timeout_s}s waiting for {what} (last: {last!r})"
+            )
         await asyncio.sleep(interval_s)

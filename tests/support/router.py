@@ -27,9 +27,7 @@ class RunningRouter:
             await self.task
 
 
-def router_config(
-    engines: list[dict[str, Any]], tmp_path: Path, **sections: Any
-) -> dict[str, Any]:
+def router_config(engines: list[dict[str, Any]], tmp_path: Path, **sections: Any) -> dict[str, Any]:
     """A config dict with fast test timings; `sections` override or extend it."""
     config: dict[str, Any] = {
         "router_id": "test-router",
