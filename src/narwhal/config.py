@@ -262,8 +262,9 @@ class AdminConfig(_Section):
         return self
 
     def resolve_token(self) -> str | None:
+        """The token, or None; a blank token is no token (it could never be presented)."""
         if self.token is not None:
-            return self.token
+            return self.token.strip() or None
         if self.token_env is not None:
             return os.environ.get(self.token_env) or None
         if self.token_file is not None:

@@ -76,8 +76,17 @@ def add_routes(app: web.Application, router: Router) -> None:
         return web.json_response(router.monitor.to_json())
 
     async def admin_handoff(request: web.Request) -> web.StreamResponse:
+        verdict = router.resume_verdict
+        followed = router.ownership.followed if router.ownership is not None else None
         return web.json_response(
-            {"path": str(router.handoff.path), "document": router.handoff.last_document}
+            {
+                "path": str(router.handoff.path),
+                "sequence": router.handoff.sequence,
+                "document": router.handoff.last_document or followed,
+                "resume": None
+                if verdict is None
+                else {"applied": verdict.ok, "reason": verdict.reason},
+            }
         )
 
     def engine_or_404(request: web.Request) -> str | web.Response:

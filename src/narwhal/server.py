@@ -40,6 +40,7 @@ from narwhal.state.etcd_store import EtcdLeaseStore
 from narwhal.state.file_store import FileLeaseStore
 from narwhal.state.handoff import (
     HandoffWriter,
+    UnreadableHandoff,
     Verdict,
     apply_document,
     check_document,
@@ -268,11 +269,12 @@ class Router:
     async def apply_saved_state(self) -> Verdict:
         """`--resume`: apply the saved handoff only if schema and engine set match."""
         path = self.handoff.path
-        removed = await asyncio.to_thread(remove_stale_temps, path)
-        if removed:
-            log.info("removed %d stale handoff temporary files", len(removed))
-        raw = await asyncio.to_thread(read_handoff, path)
-        verdict = check_document(raw, self.config, load_schema())
+        try:
+            raw = await asyncio.to_thread(read_handoff, path)
+        except UnreadableHandoff as exc:
+            verdict = Verdict(False, str(exc))
+        else:
+            verdict = check_document(raw, self.config, load_schema())
         if verdict.ok and verdict.document is not None:
             apply_document(verdict.document, self.fleet, self.clock)
             self.handoff.continue_from(verdict.document)
@@ -342,6 +344,9 @@ class Router:
         self, host: str, port: int, on_ready: Callable[[int], None] | None = None
     ) -> None:
         """Serve until cancelled."""
+        removed = await asyncio.to_thread(remove_stale_temps, self.handoff.path)
+        if removed:
+            log.info("removed %d stale handoff temporary files", len(removed))
         await self.client.start()
         if self.resume:
             await self.apply_saved_state()

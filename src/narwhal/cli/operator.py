@@ -98,9 +98,22 @@ def _handoff(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from narwhal.config import ConfigError, load_config
-    from narwhal.state.handoff import check_document, load_schema, read_handoff
+    from narwhal.state.handoff import (
+        UnreadableHandoff,
+        Verdict,
+        check_document,
+        load_schema,
+        read_handoff,
+    )
 
-    raw = read_handoff(Path(args.file))
+    try:
+        raw = read_handoff(Path(args.file))
+    except UnreadableHandoff as exc:
+        if args.handoff_command == "show":
+            print(f"narwhal: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"invalid: {exc}")
+        return EXIT_ERROR
     if args.handoff_command == "show":
         if raw is None:
             print(f"narwhal: {args.file}: no such file", file=sys.stderr)
@@ -118,7 +131,7 @@ def _handoff(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"narwhal: config error: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    verdict = check_document(raw, config, load_schema())
+    verdict: Verdict = check_document(raw, config, load_schema())
     print(("valid: " if verdict.ok else "invalid: ") + verdict.reason)
     return 0 if verdict.ok else EXIT_ERROR
 

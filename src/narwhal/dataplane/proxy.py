@@ -102,7 +102,7 @@ class DataPlane:
         self._timeline = timeline or Timeline()
         self.pool = Pool("data", config.serving.max_connections)
         self._tokens = TokenBudget(config.serving.token_count_cache_size)
-        self._rotation = 0
+        self._rotation: dict[Role, int] = {}
         self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         metrics.pool_limit.labels("data").set(config.serving.max_connections)
         metrics.pool_limit.labels("control").set(config.engine.control_connections)
@@ -260,10 +260,10 @@ class DataPlane:
     # ---------------------------------------------------------------- one attempt
     def _place(self, role: Role, tried: set[str]) -> EngineState:
         candidates = self._fleet.candidates(role, self._clock.monotonic())
-        self._rotation += 1
-        engine_id = least_in_flight(candidates, self._rotation, exclude=tried)
+        turn = self._rotation[role] = self._rotation.get(role, -1) + 1
+        engine_id = least_in_flight(candidates, turn, exclude=tried)
         if engine_id is None:
-            engine_id = least_in_flight(candidates, self._rotation)
+            engine_id = least_in_flight(candidates, turn)
         if engine_id is None:
             raise NoCapacity(role)
         return self._fleet.get(engine_id)
@@ -316,6 +316,8 @@ class DataPlane:
             return await self._final_leg(
                 req, request, deadline, attempt, engine, req.body, "unified"
             )
+        if not self._fleet.candidates(Role.DECODE, self._clock.monotonic()):
+            raise NoCapacity(Role.DECODE)  # never spend a prefill whose KV nobody can read
         prefill = self._place(Role.PREFILL, tried)
         tried.add(prefill.id)
         result = await self._prefill_leg(req, deadline, attempt, prefill)
@@ -478,7 +480,9 @@ class DataPlane:
                 failure: Exception = DeadlineExceeded()
             else:
                 which = "first-token deadline" if not attempt.started else "mid-stream silence"
-                failure = self._fail(engine, leg, EngineFailure(FailureClass.STREAM, which))
+                failure = self._fail(
+                    engine, leg, EngineFailure(FailureClass.STREAM, which, timed_out=True)
+                )
             return await self._end_stream(client, attempt, failure)
         except EngineFailure as exc:
             return await self._end_stream(client, attempt, exc)
@@ -527,7 +531,7 @@ def _status_for(exc: Exception | None) -> tuple[int, str]:
     if isinstance(exc, DeadlineExceeded):
         return 504, "request deadline exceeded"
     if isinstance(exc, EngineFailure):
-        if exc.failure_class is FailureClass.TIMEOUT or exc.detail == "first-token deadline":
+        if exc.failure_class is FailureClass.TIMEOUT or exc.timed_out:
             return 504, f"upstream timeout: {exc.detail}"
         return 502, f"upstream failure ({exc.failure_class.value}): {exc.detail}"
     return 502, "upstream failure"

@@ -56,12 +56,18 @@ class EngineFailure(Exception):
     """A failure attributable to one engine, already classified."""
 
     def __init__(
-        self, failure_class: FailureClass, detail: str, *, status: int | None = None
+        self,
+        failure_class: FailureClass,
+        detail: str,
+        *,
+        status: int | None = None,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(f"{failure_class.value}: {detail}")
         self.failure_class = failure_class
         self.detail = detail
         self.status = status
+        self.timed_out = timed_out  # a deadline ran out: the client gets a gateway timeout
 
 
 class ClientError(Exception):

@@ -35,7 +35,7 @@ def classify_exception(exc: BaseException, timeout_class: FailureClass) -> Engin
     if isinstance(exc, EngineFailure):
         return exc
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-        return EngineFailure(timeout_class, "deadline exceeded")
+        return EngineFailure(timeout_class, "deadline exceeded", timed_out=True)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return EngineFailure(FailureClass.CONNECTION, f"connect failed: {exc.os_error}")
     if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
