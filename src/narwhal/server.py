@@ -84,7 +84,11 @@ class Router:
         self.client = EngineClient(
             config.serving.max_connections, config.engine.control_connections
         )
-        self.stats = IntervalStats(config.controller.interval_s, self.clock.monotonic())
+        self.stats = IntervalStats(
+            config.controller.interval_s,
+            self.clock.monotonic(),
+            keep=max(10, config.controller.drift_intervals + 1),
+        )
         self.timeline = Timeline()
         self.evidence = EvidenceRecorder(
             self.fleet, self.metrics, config.recovery.eject_after, stats=self.stats

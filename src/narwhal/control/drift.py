@@ -2,8 +2,8 @@
 
 `find_drift` is a pure function over closed windows: an engine drifts in an interval when
 it has at least `min_samples` latency samples and its median is above `factor` times the
-median of its role's engines (that also have enough samples); it is flagged when it drifted
-in each of the last `intervals` closed windows.
+median of its role's other engines (that also have enough samples); it is flagged when it
+drifted in each of the last `intervals` closed windows.
 """
 
 from __future__ import annotations
@@ -39,12 +39,16 @@ def _drifting(window: Window, members: Sequence[str], s: DriftSettings) -> dict[
             medians[engine_id] = p50
     if len(medians) < 2:
         return {}
-    role_median = statistics.median(medians.values())
-    return {
-        e: f"p50 {m * 1000:.1f} ms > {s.factor} x role median {role_median * 1000:.1f} ms"
-        for e, m in medians.items()
-        if m > s.factor * role_median
-    }
+    out = {}
+    for engine_id, m in medians.items():
+        # Compare with the median of the *other* engines: with two engines, a role median
+        # that includes the engine judged could never be exceeded by a factor >= 2.
+        peers = statistics.median(v for e, v in medians.items() if e != engine_id)
+        if m > s.factor * peers:
+            out[engine_id] = (
+                f"p50 {m * 1000:.1f} ms > {s.factor} x peers' median {peers * 1000:.1f} ms"
+            )
+    return out
 
 
 def find_drift(
@@ -54,10 +58,10 @@ def find_drift(
     if len(closed) < s.intervals:
         return []
     recent = list(closed)[-s.intervals :]
-    out = []
+    found: dict[str, Drift] = {}  # an engine serving two roles is reported once
     for members in roles.values():
         per_window = [_drifting(w, members, s) for w in recent]
         for engine_id in members:
-            if all(engine_id in d for d in per_window):
-                out.append(Drift(engine_id, per_window[-1][engine_id]))
-    return out
+            if engine_id not in found and all(engine_id in d for d in per_window):
+                found[engine_id] = Drift(engine_id, per_window[-1][engine_id])
+    return list(found.values())

@@ -108,15 +108,18 @@ class Readmission:
 
     async def verify(self, engine: EngineState) -> list[StepResult]:
         results: list[StepResult] = []
-        steps = (
-            ("health", self._health),
-            ("model_identity", self._model),
-            ("generation_identity", self._generation),
-            ("final_health", self._health),
+        checks = (
+            self._health,
+            self._attestation,
+            self._model,
+            self._generation,
+            self._kv_transfer,
+            self._health,
         )
-        for name, step in steps:
+        for name, step in zip(STEPS, checks, strict=True):
             ok, reason = await step(engine)
-            results.append(StepResult(name, ok, reason))
+            not_configured = name == "attestation" and reason == "attestation not configured"
+            results.append(StepResult(name, ok, reason, "not_configured" if not_configured else ""))
             result = "ok" if ok else "failed"
             self._metrics.probes.labels(engine.id, f"readmission:{name}", result).inc()
             if not ok:

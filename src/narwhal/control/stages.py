@@ -83,6 +83,7 @@ class SmallStages:
         self.drift: list[Drift] = []
         self._drift_seen_window: float | None = None
         self.rebalances: list[dict[str, Any]] = []
+        self._rebalance_retry: dict[str, float] = {}
 
     async def controller(self, now: float) -> None:
         self._performance_drift(now)
@@ -121,10 +122,15 @@ class SmallStages:
 
     async def _rebalance(self, now: float) -> None:
         found = rebalance_candidate(self._fleet, now)
-        if found is None:
+        if found is None or now < self._rebalance_retry.get(found[0].id, 0.0):
             return
         engine, role = found
         ok, reason = await self._verify_role(engine, role)
+        if ok and rebalance_candidate(self._fleet, now) != found:
+            ok, reason = (
+                False,
+                "the fleet changed during verification",
+            )  # re-check: never empty a role
         record = {
             "engine": engine.id,
             "from": engine.role.value,
@@ -135,6 +141,8 @@ class SmallStages:
         self.rebalances = [*self.rebalances[-9:], record]
         if not ok:
             log.warning("engine %s not moved to %s: %s", engine.id, role.value, reason)
+            # Verification sends real requests: do not retry it every pass.
+            self._rebalance_retry[engine.id] = now + 30 * self._cfg.controller.monitor_interval_s
             return
 
         def change(e: EngineState) -> None:

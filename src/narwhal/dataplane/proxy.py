@@ -146,6 +146,7 @@ class DataPlane:
         bounded = self._serving.policy == "bounded"
         try:
             if bounded:
+                self._metrics.queue_depth.set(self.pool.waiting + 1)
                 await self.pool.acquire(
                     deadline - self._clock.monotonic(), self._serving.queue_limit
                 )
@@ -161,6 +162,8 @@ class DataPlane:
                 ),
                 "saturated",
             )
+        finally:
+            self._metrics.queue_depth.set(self.pool.waiting)
         self._metrics.pool_in_use.labels("data").set(self.pool.in_use)
         try:
             return await self._serve(req, request, deadline)

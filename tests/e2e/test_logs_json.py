@@ -1,0 +1,168 @@
+"""`narwhal-serve --log-format json`: one JSON event per stderr line (docs/metrics.md, "Logs").
+
+The router runs as a real process over engines on closed ports, so its health sweeps go
+silent and liveness ejects both engines: the engine transitions (`engine X: from -> to
+(reason)`), the lease acquisition and the start-up lines must all arrive as JSON objects with
+`ts`, `level`, `logger` and `message`, and nothing else may be written to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+LEVELS = {"debug", "info", "warning", "error", "critical"}
+TRANSITION = re.compile(
+    r"^engine (?P<id>\S+): (?P<before>\S+) -> (?P<after>\S+) \((?P<reason>.+)\)$"
+)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command() -> list[str]:
+    script = Path(sys.executable).with_name("narwhal-serve")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "narwhal.cli.serve"]
+
+
+def write_config(tmp_path: Path) -> Path:
+    config = {
+        "router_id": "json-logs",
+        "listen": "127.0.0.1:0",
+        "model": "demo-model",
+        "engines": [
+            {"id": "p0", "url": f"http://127.0.0.1:{closed_port()}", "role": "prefill"},
+            {"id": "d0", "url": f"http://127.0.0.1:{closed_port()}", "role": "decode"},
+        ],
+        "controller": {"monitor_interval_s": 0.1},
+        "engine": {"health_timeout_s": 0.3},
+        # Liveness is the subject: connection streaks must not eject first.
+        "recovery": {"liveness_misses": 2, "eject_after": 50},
+        "handoff": {"path": str(tmp_path / "state" / "handoff.json")},
+        "lease": {
+            "backend": "file",
+            "path": str(tmp_path / "state" / "lease.json"),
+            "ttl_s": 10,
+            "renew_interval_s": 2,
+        },
+    }
+    path = tmp_path / "narwhal.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def read_until(proc: subprocess.Popen[bytes], done: Any, timeout_s: float) -> list[str]:
+    """Read stderr lines until `done(lines)` or the timeout; never blocks past it."""
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    buf = b""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(lines):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if not readable:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        *complete, buf = buf.split(b"\n")
+        lines.extend(line.decode() for line in complete)
+    if buf:
+        lines.append(buf.decode())
+    return lines
+
+
+def parse(lines: list[str]) -> list[dict[str, Any]]:
+    events = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            pytest.fail(f"stderr line is not JSON: {line!r}")
+        assert isinstance(event, dict), line
+        events.append(event)
+    return events
+
+
+def transitions(events: list[dict[str, Any]]) -> list[re.Match[str]]:
+    found = (TRANSITION.match(e.get("message", "")) for e in events)
+    return [m for m in found if m]
+
+
+def both_ejected(lines: list[str]) -> bool:
+    ejected = {
+        m["id"]
+        for line in lines
+        if line.startswith("{")
+        for m in [TRANSITION.match(json.loads(line).get("message", ""))]
+        if m and m["after"] == "ejected"
+    }
+    return ejected >= {"p0", "d0"}
+
+
+def test_json_log_lines_include_engine_transitions(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    started = time.time()
+    proc = subprocess.Popen(
+        [*serve_command(), "--config", str(config), "--log-format", "json"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    try:
+        lines = read_until(proc, both_ejected, timeout_s=20)
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines += rest.decode().splitlines()
+    assert proc.returncode == 0
+
+    events = parse(lines)
+    assert events, "no log output at all"
+    for event in events:
+        assert {"ts", "level", "logger", "message"} <= set(event), event
+        assert isinstance(event["ts"], float)
+        assert started - 1 <= event["ts"] <= time.time() + 1
+        assert event["level"] in LEVELS, event
+        assert isinstance(event["logger"], str) and event["logger"], event
+        assert isinstance(event["message"], str), event
+
+    messages = [e["message"] for e in events]
+    assert any(m.startswith("narwhal listening on http://127.0.0.1:") for m in messages)
+    assert any("lease" in e["logger"] and "acquired epoch 1" in e["message"] for e in events)
+
+    ejections = {m["id"]: m for m in transitions(events) if m["after"] == "ejected"}
+    assert set(ejections) == {"p0", "d0"}, messages
+    for m in ejections.values():
+        assert m["before"] == "in-service"
+        assert m["reason"].startswith("ejected: liveness: 2 silent health sweeps")
+    transition_events = [e for e in events if TRANSITION.match(e["message"])]
+    assert {e["logger"] for e in transition_events} == {"narwhal.fleet"}
+    assert {e["level"] for e in transition_events} == {"info"}
