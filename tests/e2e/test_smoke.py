@@ -10,16 +10,22 @@ from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory
 
 
-async def test_pd_completion_equals_unified(sim_factory: SimFactory, start_router: StartRouter) -> None:
+async def test_pd_completion_equals_unified(
+    sim_factory: SimFactory, start_router: StartRouter
+) -> None:
     prefill, decode, unified = sim_factory.start_many(
-        [["--role", "prefill", "--kv-role", "kv_producer"],
-         ["--role", "decode", "--kv-role", "kv_consumer"],
-         ["--role", "both"]]
-    )  # fmt: skip
-    rr = await start_router([
-        {"id": "p0", "url": prefill.url, "role": "prefill"},
-        {"id": "d0", "url": decode.url, "role": "decode"},
-    ])  # fmt: skip
+        [
+            ["--role", "prefill", "--kv-role", "kv_producer"],
+            ["--role", "decode", "--kv-role", "kv_consumer"],
+            ["--role", "both"],
+        ]
+    )
+    rr = await start_router(
+        [
+            {"id": "p0", "url": prefill.url, "role": "prefill"},
+            {"id": "d0", "url": decode.url, "role": "decode"},
+        ]
+    )
     client = openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="x")
     direct = openai.AsyncOpenAI(base_url=unified.url + "/v1", api_key="x")
     prompt = "the quick brown fox jumps over the lazy dog"
