@@ -62,7 +62,9 @@ def add_routes(app: web.Application, router: Router) -> None:
             if token is not None:
                 given = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    return openai_error(401, "missing or wrong admin token", "unauthorized")
+                    denied = openai_error(401, "missing or wrong admin token", "unauthorized")
+                    denied.headers["WWW-Authenticate"] = 'Bearer realm="narwhal-admin"'
+                    return denied
             return await handler(request)
 
         return guarded

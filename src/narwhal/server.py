@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -55,6 +56,13 @@ from narwhal.telemetry.timeline import Timeline
 log = logging.getLogger("narwhal.router")
 
 
+def engine_tls(config: Config) -> ssl.SSLContext | None:
+    """HTTPS engines are verified against the attestation CA when one is configured."""
+    if config.attestation.kind == "tls" and config.attestation.ca_file:
+        return ssl.create_default_context(cafile=config.attestation.ca_file)
+    return None
+
+
 def make_store(config: Config, fs: Filesystem | None) -> LeaseStore:
     lease = config.lease
     if lease.backend == "etcd":
@@ -82,7 +90,7 @@ class Router:
         self.fleet = Fleet(config.engines)
         self.admission = Admission()
         self.client = EngineClient(
-            config.serving.max_connections, config.engine.control_connections
+            config.serving.max_connections, config.engine.control_connections, engine_tls(config)
         )
         self.stats = IntervalStats(
             config.controller.interval_s,
@@ -252,14 +260,16 @@ class Router:
             f"planned maintenance at generation {engine.generation}",
             self.clock.monotonic(),
         )
-        self.readmission.require_newer(engine)
+        self.readmission.require_newer(engine, self.clock.wall())
 
     async def operator_readmit(self, engine_id: str) -> list[dict[str, Any]]:
         """Run the verification pipeline now; success readmits and clears drains."""
         engine = self.fleet.get(engine_id)
         results = await self.readmission.verify(engine)
         if all(r.ok for r in results):
-            self.lifecycle.readmit(engine, "operator readmission verified", self.clock.monotonic())
+            self.lifecycle.readmit(
+                engine, "operator readmission verified", self.clock.monotonic(), operator=True
+            )
         return [r.to_json() for r in results]
 
     # ------------------------------------------------------------------ state views

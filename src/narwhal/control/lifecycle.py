@@ -96,19 +96,27 @@ class Lifecycle:
             if hold.expired(now):
                 self.release(engine, hold.name, "deadline passed", now)
 
-    def readmit(self, engine: EngineState, reason: str, now: float) -> None:
-        """Return an engine to placement after verification; clears evidence and drains."""
+    def readmit(
+        self, engine: EngineState, reason: str, now: float, *, operator: bool = False
+    ) -> None:
+        """Return an engine to placement after verification; clears its evidence.
+
+        Only a readmission the operator asked for clears an operator drain; automatic
+        readmission (of an ejected engine, or after maintenance) leaves it in place.
+        """
+        cleared = [
+            HoldName.PLANNED_MAINTENANCE,
+            HoldName.INFERENCE_VERIFICATION,
+            HoldName.FAILURE_QUARANTINE,
+        ]
+        if operator:
+            cleared.append(HoldName.OPERATOR_DRAIN)
 
         def change(e: EngineState) -> None:
             e.ejected = None
             e.evidence.clear()
             e.liveness_misses = 0
-            for name in (
-                HoldName.OPERATOR_DRAIN,
-                HoldName.PLANNED_MAINTENANCE,
-                HoldName.INFERENCE_VERIFICATION,
-                HoldName.FAILURE_QUARANTINE,
-            ):
+            for name in cleared:
                 e.holds.pop(name, None)
 
         self._fleet.transition(engine, now, f"readmitted: {reason}", change)

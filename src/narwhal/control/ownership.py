@@ -24,6 +24,17 @@ from narwhal.telemetry.metrics import Metrics
 log = logging.getLogger("narwhal.ownership")
 
 
+def counts_toward_takeover(ready_body: str) -> bool:
+    """Which failing `/ready` answers are evidence against the active.
+
+    Its own monitor degraded (or any reason we do not know) counts. A peer that says it is a
+    standby or fenced is not the active, so its 503 says nothing about the active (counting
+    it made two routers take the lease from each other forever); "no capacity" is the
+    fleet's state, which a takeover would not change.
+    """
+    return not ready_body.startswith(("standby:", "fenced:", "no capacity:"))
+
+
 class Ownership:
     def __init__(
         self,
@@ -126,11 +137,11 @@ class Ownership:
             )
         try:
             async with self._session.get(url + "/ready") as resp:
-                ok = resp.status == 200
-                await resp.read()
+                body = (await resp.read()).decode(errors="replace")
+                failing = resp.status != 200 and counts_toward_takeover(body)
         except (aiohttp.ClientError, OSError, TimeoutError):
-            ok = False
-        self.active_failures = 0 if ok else self.active_failures + 1
+            failing = True  # unreachable
+        self.active_failures = self.active_failures + 1 if failing else 0
 
     async def write_handoff(self, doc: dict[str, Any], data: bytes) -> None:
         """The handoff stage's write: epoch-guarded; a fenced or standby router is silent."""

@@ -80,9 +80,14 @@ class Readmission:
         self.last_results: dict[str, list[StepResult]] = {}
         self._maintenance_generation: dict[str, float | None] = {}
 
-    def require_newer(self, engine: EngineState) -> None:
-        """Planned maintenance: readmission needs a process newer than the current one."""
-        self._maintenance_generation[engine.id] = engine.generation
+    def require_newer(self, engine: EngineState, requested_at_wall: float) -> None:
+        """Planned maintenance: readmission needs a process newer than the current one.
+
+        When the current generation is not known yet, the request time is the baseline: a
+        process that started before maintenance was asked for is the old one.
+        """
+        baseline = engine.generation if engine.generation is not None else requested_at_wall
+        self._maintenance_generation[engine.id] = baseline
 
     async def stage(self, now: float) -> None:
         """Retry due ejected engines and engines under planned maintenance."""

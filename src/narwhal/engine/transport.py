@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -45,8 +46,9 @@ def classify_exception(exc: BaseException, timeout_class: FailureClass) -> Engin
     raise exc
 
 
-def _connector(limit: int) -> aiohttp.TCPConnector:
+def _connector(limit: int, ssl_context: ssl.SSLContext | None) -> aiohttp.TCPConnector:
     return aiohttp.TCPConnector(
+        ssl=ssl_context if ssl_context is not None else True,
         limit=limit,
         limit_per_host=0,
         keepalive_timeout=30,
@@ -58,14 +60,17 @@ def _connector(limit: int) -> aiohttp.TCPConnector:
 class EngineClient:
     """Owns the two aiohttp sessions; created and closed inside the running loop."""
 
-    def __init__(self, data_limit: int, control_limit: int) -> None:
+    def __init__(
+        self, data_limit: int, control_limit: int, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self._limits = {PoolKind.DATA: data_limit, PoolKind.CONTROL: control_limit}
+        self._ssl = ssl_context
         self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
 
     async def start(self) -> None:
         for kind, limit in self._limits.items():
             self._sessions[kind] = aiohttp.ClientSession(
-                connector=_connector(limit),
+                connector=_connector(limit, self._ssl),
                 timeout=aiohttp.ClientTimeout(total=None),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),

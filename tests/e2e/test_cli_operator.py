@@ -1,0 +1,286 @@
+"""The operator CLI (`narwhal`) end to end, as a subprocess against a running router.
+
+DESIGN §6: `narwhal` over the admin API: status, engines, drain, maintenance, readmit, handoff
+inspect/validate, lease; `--url`/`--token` or `NARWHAL_URL`/`NARWHAL_ADMIN_TOKEN`. Exit 0 on
+success, 1 on a refused or failed operation (with a message on stderr), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.e2e.test_readmission_support import (
+    DECODE,
+    PREFILL,
+    TOKEN,
+    Admin,
+    engine,
+    free_port,
+    hold_names,
+)
+from tests.support.poll import eventually
+from tests.support.router import RunningRouter, StartRouter, router_config
+from tests.support.sim_process import SimFactory, SimProcess
+
+
+@dataclass
+class Cli:
+    code: int
+    out: str
+    err: str
+
+
+async def narwhal(*args: str, env: dict[str, str] | None = None) -> Cli:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "narwhal.cli.operator", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**clean, **(env or {})},
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    return Cli(proc.returncode or 0, out.decode(), err.decode())
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+@dataclass
+class Fleet:
+    p0: SimProcess
+    p1: SimProcess
+    d0: SimProcess
+
+    def engines(self) -> list[dict[str, Any]]:
+        return [
+            engine("p0", self.p0.url, "prefill"),
+            engine("p1", self.p1.url, "prefill"),
+            engine("d0", self.d0.url, "decode"),
+        ]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    factory = SimFactory()
+    try:
+        yield Fleet(*factory.start_many([list(PREFILL), list(PREFILL), list(DECODE)]))
+    finally:
+        factory.close()
+
+
+@dataclass
+class Setup:
+    rr: RunningRouter
+    admin: Admin
+
+    def args(self, *rest: str, token: str | None = TOKEN) -> tuple[str, ...]:
+        return ("--url", self.rr.url, *(("--token", token) if token else ()), *rest)
+
+
+@pytest.fixture
+async def setup(fleet: Fleet, start_router: StartRouter, http: aiohttp.ClientSession) -> Setup:
+    rr = await start_router(fleet.engines(), admin={"token": TOKEN})
+    admin = Admin(http, rr.url)
+    await admin.wait_ready()
+    await admin.wait_engine("p0", lambda e: e["generation"] is not None, "generation learned")
+    return Setup(rr, admin)
+
+
+def table(out: str) -> dict[str, dict[str, str]]:
+    """The engine table: rows keyed by engine id, cells keyed by header."""
+    lines = out.splitlines()
+    header = lines[0].split()
+    rows: dict[str, dict[str, str]] = {}
+    for line in lines[1:]:
+        if not line.strip():
+            break
+        cells = line.split()
+        assert len(cells) == len(header), (header, line)
+        rows[cells[0]] = dict(zip(header, cells, strict=True))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+async def test_status_shows_engines_roles_eligibility_holds_evidence_and_the_monitor(
+    setup: Setup, fleet: Fleet
+) -> None:
+    await setup.admin.drain("p0")
+    # One failed health check on p1 leaves inference_status evidence (a health 200 does not
+    # clear that class).
+    fault = {"kind": "health_status", "status": 500, "count": 1}
+    await asyncio.to_thread(fleet.p1.add_fault, fault)
+    await setup.admin.wait_engine(
+        "p1", lambda e: e["evidence"]["inference_status"] == 1, "evidence recorded"
+    )
+    result = await narwhal(*setup.args("status"))
+    assert result.code == 0, result
+    rows = table(result.out)
+    assert list(rows) == ["p0", "p1", "d0"]
+    header = result.out.splitlines()[0].split()
+    assert header[:2] == ["ENGINE", "ROLE"]
+    assert {"ELIGIBLE", "HOLDS", "EVIDENCE", "EJECTED"} <= set(header)
+    assert rows["p0"]["ROLE"] == "prefill" and rows["d0"]["ROLE"] == "decode"
+    assert rows["p0"]["ELIGIBLE"] == "no" and rows["p0"]["HOLDS"] == "operator_drain"
+    assert rows["p1"]["ELIGIBLE"] == "yes" and rows["p1"]["HOLDS"] == "-"
+    assert rows["p1"]["EVIDENCE"] == "inference_status=1"
+    assert rows["d0"]["EVIDENCE"] == "-" and rows["d0"]["EJECTED"] == "-"
+    monitor = [line for line in result.out.splitlines() if line.startswith("monitor:")]
+    assert monitor == ["monitor: streak 0/3, admitting: yes"], result.out
+
+
+async def test_engines_json_is_the_admin_engines_document(setup: Setup) -> None:
+    await setup.admin.drain("p1")
+    result = await narwhal(*setup.args("engines", "--json"))
+    assert result.code == 0, result
+    printed = json.loads(result.out)
+    status, body = await setup.admin.get("/admin/engines")
+    assert status == 200
+    assert printed == body
+
+
+async def test_engines_without_json_prints_the_table(setup: Setup) -> None:
+    result = await narwhal(*setup.args("engines"))
+    assert result.code == 0, result
+    assert list(table(result.out)) == ["p0", "p1", "d0"]
+    assert "monitor:" not in result.out
+
+
+async def test_drain_then_the_hold_is_visible(setup: Setup) -> None:
+    result = await narwhal(*setup.args("drain", "p0"))
+    assert result.code == 0, result
+    assert result.out.strip() == "p0: operator_drain"
+    e = await setup.admin.engine("p0")
+    assert hold_names(e) == ["operator_drain"] and e["eligible"] is False
+    status = await narwhal(*setup.args("status"))
+    assert table(status.out)["p0"]["HOLDS"] == "operator_drain"
+
+
+async def test_maintenance_then_readmit_is_refused_for_the_same_process(setup: Setup) -> None:
+    result = await narwhal(*setup.args("maintenance", "p0"))
+    assert result.code == 0, result
+    assert result.out.strip() == "p0: planned_maintenance"
+    assert hold_names(await setup.admin.engine("p0")) == ["planned_maintenance"]
+
+    result = await narwhal(*setup.args("readmit", "p0"))
+    assert result.code == 1, result
+    lines = result.out.splitlines()
+    assert lines[-1] == "not readmitted"
+    assert lines[0].startswith("ok") and lines[0].split()[1] == "health:"
+    fail = [line for line in lines if line.startswith("FAIL")]
+    assert len(fail) == 1 and fail[0].startswith("FAIL generation_identity: planned maintenance")
+    assert lines[-2] == fail[0]  # nothing runs after the failed step
+    assert hold_names(await setup.admin.engine("p0")) == ["planned_maintenance"]
+
+
+async def test_readmit_prints_every_step_and_exits_0(setup: Setup) -> None:
+    await narwhal(*setup.args("drain", "p0"))
+    result = await narwhal(*setup.args("readmit", "p0"))
+    assert result.code == 0, result
+    e = await setup.admin.engine("p0")
+    assert e["holds"] == []
+    expected = [f"ok   {s['step']}: {s['reason']}" for s in e["readmission"]]
+    assert result.out.splitlines() == [*expected, "readmitted"]
+
+
+@pytest.mark.parametrize("action", ["drain", "maintenance", "readmit"])
+async def test_unknown_engine_id_exits_1_with_a_clear_message(setup: Setup, action: str) -> None:
+    result = await narwhal(*setup.args(action, "nope"))
+    assert result.code == 1, result
+    assert result.out == ""
+    assert "404" in result.err and "no engine 'nope'" in result.err, result.err
+    assert "Traceback" not in result.err
+
+
+@pytest.mark.parametrize("command", [("status",), ("engines", "--json"), ("drain", "p0"),
+                                     ("readmit", "p0"), ("lease",)])  # fmt: skip
+async def test_a_wrong_token_exits_1_mentioning_401(setup: Setup, command: tuple[str, ...]) -> None:
+    for token in ("wrong", None):
+        result = await narwhal(*setup.args(*command, token=token))
+        assert result.code == 1, result
+        assert "401" in result.err, result.err
+        assert "Traceback" not in result.err
+    assert (await setup.admin.engine("p0"))["holds"] == []  # the drain was refused
+
+
+@pytest.mark.parametrize("command", [("status",), ("drain", "p0"), ("readmit", "p0"), ("lease",)])
+async def test_an_unreachable_router_exits_1_with_a_clear_message(
+    command: tuple[str, ...],
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = await narwhal("--url", url, "--token", TOKEN, *command)
+    assert result.code == 1, result
+    assert result.err.startswith(f"narwhal: cannot reach {url}"), result.err
+    assert "Traceback" not in result.err
+
+
+async def test_url_and_token_from_the_environment(setup: Setup) -> None:
+    env = {"NARWHAL_URL": setup.rr.url, "NARWHAL_ADMIN_TOKEN": TOKEN}
+    result = await narwhal("drain", "p1", env=env)
+    assert result.code == 0, result
+    assert hold_names(await setup.admin.engine("p1")) == ["operator_drain"]
+    # Flags win over the environment.
+    result = await narwhal("--token", "wrong", "status", env=env)
+    assert result.code == 1 and "401" in result.err
+
+
+async def test_lease_prints_the_lease_view(setup: Setup) -> None:
+    result = await narwhal(*setup.args("lease"))
+    assert result.code == 0, result
+    assert json.loads(result.out) == {
+        "backend": "none",
+        "role": "active",
+        "router_id": "test-router",
+    }
+
+
+async def test_usage_errors_exit_2() -> None:
+    assert (await narwhal()).code == 2
+    assert (await narwhal("drain")).code == 2  # no engine id
+    assert (await narwhal("explode")).code == 2
+
+
+@pytest.mark.slow
+async def test_handoff_show_and_validate_a_live_routers_handoff(
+    setup: Setup, fleet: Fleet, tmp_path: Path
+) -> None:
+    await setup.admin.drain("p0")
+
+    async def written() -> bool:
+        _status, body = await setup.admin.get("/admin/handoff")
+        doc = body["document"]
+        return bool(doc and [h["name"] for h in doc["engines"]["p0"]["holds"]])
+
+    await eventually(written, what="a handoff with the drain")
+    path = str(setup.rr.router.handoff.path)
+    shown = await narwhal("handoff", "show", path)
+    assert shown.code == 0, shown
+    p0_line = next(line for line in shown.out.splitlines() if line.startswith("p0 "))
+    assert "holds=operator_drain" in p0_line and "prefill" in p0_line
+
+    config = tmp_path / "same-fleet.yaml"
+    config.write_text(yaml.safe_dump(router_config(fleet.engines(), tmp_path)))
+    valid = await narwhal("handoff", "validate", path, "--config", str(config))
+    assert valid.code == 0 and valid.out.startswith("valid"), valid
+
+    other = tmp_path / "other-fleet.yaml"
+    engines = [*fleet.engines()[:2], engine("d9", "http://127.0.0.1:9", "decode")]
+    other.write_text(yaml.safe_dump(router_config(engines, tmp_path)))
+    invalid = await narwhal("handoff", "validate", path, "--config", str(other))
+    assert invalid.code == 1 and invalid.out.startswith("invalid"), invalid
+
+    missing = await narwhal("handoff", "show", str(tmp_path / "nope.json"))
+    assert missing.code == 1 and "no such file" in missing.err

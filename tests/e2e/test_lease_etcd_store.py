@@ -1,0 +1,126 @@
+"""The `etcd` lease store against a real etcd server (v3 JSON gateway).
+
+Compare-and-swap on the epoch, the epoch guard on handoff writes, outages reported as
+StoreUnavailable, and the record surviving an etcd restart. The store is driven directly
+(and once through LeaseKeeper) so that interleavings are under the test's control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from narwhal.clock import FakeClock
+from narwhal.config import LeaseConfig
+from narwhal.state.etcd_store import EtcdLeaseStore
+from narwhal.state.lease import LeaseKeeper, LeaseRecord, Role, StoreUnavailable
+from tests.support.etcd import EtcdServer
+from tests.support.poll import eventually
+
+BUG_ETCD_SELF_FENCE = (
+    "BUG: EtcdLeaseStore.write_handoff guards its txn on the lease key's mod_revision read "
+    "just before; the holder's own concurrent renewal rewrites that key, so the txn fails and "
+    "LeaseKeeper fences a healthy holder ('handoff write refused by the epoch guard')"
+)
+OVERLAPS = 50  # one overlap loses about one time in four; 50 never all win by luck
+
+
+def _record(holder: str, epoch: int, ttl_s: float = 10.0) -> LeaseRecord:
+    return LeaseRecord(holder, epoch, time.time() + ttl_s)
+
+
+@pytest.fixture
+def key() -> str:
+    return f"/narwhal-test/{uuid.uuid4().hex}/lease"
+
+
+@pytest.fixture
+async def store(etcd_server: EtcdServer, key: str) -> AsyncIterator[EtcdLeaseStore]:
+    s = EtcdLeaseStore((etcd_server.client_url,), key, timeout_s=1.0)
+    yield s
+    await s.close()
+
+
+async def test_swap_is_compare_and_swap_on_the_epoch(
+    store: EtcdLeaseStore, etcd_server: EtcdServer, key: str
+) -> None:
+    assert await store.read() is None
+    # Five acquirers race for a free lease; exactly one wins.
+    won = await asyncio.gather(*(store.swap(None, _record(f"r{i}", 1)) for i in range(5)))
+    assert sorted(won) == [False] * 4 + [True]
+    first = await store.read()
+    assert first is not None and first.epoch == 1
+    assert etcd_server.get_json(key) == first.to_json()
+    # A stale expectation loses; the right one wins.
+    assert not await store.swap(None, _record("late", 1))
+    assert not await store.swap(7, _record("late", 8))
+    assert await store.swap(1, _record("next", 2))
+    record = await store.read()
+    assert record is not None and (record.holder, record.epoch) == ("next", 2)
+
+
+async def test_renew_and_handoff_are_refused_for_any_other_holder_or_epoch(
+    store: EtcdLeaseStore, etcd_server: EtcdServer, key: str
+) -> None:
+    assert await store.swap(None, _record("router-a", 1))
+    assert await store.write_handoff("router-a", 1, b'{"by": "a1"}')
+    assert await store.swap(1, _record("router-b", 2))  # b took over
+    for holder, epoch in (("router-a", 1), ("router-a", 2), ("router-b", 1)):
+        assert not await store.renew(holder, epoch, time.time() + 10)
+        assert not await store.write_handoff(holder, epoch, b'{"by": "stale"}')
+    assert await store.read_handoff() == b'{"by": "a1"}'
+    assert await store.write_handoff("router-b", 2, b'{"by": "b2"}')
+    assert await store.renew("router-b", 2, time.time() + 10)
+    assert etcd_server.get(key + "/handoff") == b'{"by": "b2"}'
+
+
+async def test_an_unreachable_etcd_is_store_unavailable_and_the_record_survives(
+    store: EtcdLeaseStore, etcd_server: EtcdServer
+) -> None:
+    assert await store.swap(None, _record("router-a", 1))
+    etcd_server.stop()
+    for call in (store.read(), store.renew("router-a", 1, time.time()), store.read_handoff()):
+        with pytest.raises(StoreUnavailable, match="etcd unreachable"):
+            await call
+    etcd_server.start()  # same ports, same data dir
+
+    async def readable() -> LeaseRecord | None:
+        try:
+            return await store.read()
+        except StoreUnavailable:
+            return None
+
+    record = await eventually(readable, timeout_s=10, what="etcd back")
+    assert (record.holder, record.epoch) == ("router-a", 1)
+
+
+async def test_the_holders_own_renewal_does_not_refuse_its_handoff_write(
+    store: EtcdLeaseStore,
+) -> None:
+    """The monitor's handoff write and the renew loop run concurrently in one router."""
+    assert await store.swap(None, _record("router-a", 1))
+    refused = 0
+    for _ in range(OVERLAPS):
+        written, renewed = await asyncio.gather(
+            store.write_handoff("router-a", 1, b"{}"),
+            store.renew("router-a", 1, time.time() + 10),
+        )
+        assert renewed
+        refused += not written
+    assert refused == 0, f"{refused} of {OVERLAPS} handoff writes refused to the holder"
+
+
+async def test_a_healthy_etcd_holder_does_not_fence_itself(
+    store: EtcdLeaseStore,
+) -> None:
+    clock = FakeClock(wall=time.time())
+    cfg = LeaseConfig.model_validate({"backend": "etcd", "ttl_s": 10, "renew_interval_s": 2})
+    keeper = LeaseKeeper("router-a", cfg, store, clock)
+    assert await keeper.try_acquire(preempt=False)
+    for _ in range(OVERLAPS):
+        await asyncio.gather(keeper.renew(), keeper.write_handoff(b"{}"))
+        assert keeper.role is Role.ACTIVE, keeper.fence_reason
