@@ -210,6 +210,17 @@ class Router:
     ) -> None:
         engine = self.fleet.get(engine_id)
         now = self.clock.monotonic()
+        quarantine_s = self.config.recovery.failure_quarantine_s
+        if quarantine_s is not None and action is not Action.EJECT:
+            # A failed engine is quarantined until the deadline unless a successful health
+            # or inference check clears it first (ejection adds its own quarantine).
+            self.lifecycle.hold(
+                engine,
+                HoldName.FAILURE_QUARANTINE,
+                f"{cls.value} streak: {detail}",
+                now,
+                duration_s=quarantine_s,
+            )
         if action is Action.EJECT:
             self.lifecycle.eject(engine, cls.value, f"{cls.value} streak: {detail}", now)
         elif action is Action.HOLD_AND_PROBE:

@@ -341,10 +341,15 @@ def test_readmit_clears_ejection_evidence_and_drains() -> None:
     assert HoldName.FAILURE_QUARANTINE in p0.holds
     assert w.ids(Role.PREFILL) == ["p1"]
 
+    # An automatic readmission keeps the operator's drain; only the operator's clears it.
     w.lifecycle.readmit(p0, "verified", w.now)
     assert p0.ejected is None
     assert p0.evidence == {}
     assert p0.liveness_misses == 0
+    assert set(p0.holds) == {HoldName.OPERATOR_DRAIN}
+    assert w.ids(Role.PREFILL) == ["p1"]
+
+    w.lifecycle.readmit(p0, "operator readmission", w.now, operator=True)
     assert p0.holds == {}
     assert w.ids(Role.PREFILL) == ["p0", "p1"]
 

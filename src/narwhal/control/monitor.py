@@ -100,6 +100,7 @@ class Monitor:
         self.status = MonitorStatus()
 
     async def run_pass(self, now: float) -> PassReport:
+        started_at = self._clock.wall()
         results = []
         for name in STAGE_ORDER:
             t0 = time.perf_counter()
@@ -115,7 +116,7 @@ class Monitor:
             self._metrics.monitor_stage_seconds.labels(name).observe(results[-1].duration_s)
         st = self.status
         st.passes += 1
-        report = PassReport(st.passes, self._clock.wall(), tuple(results))
+        report = PassReport(st.passes, started_at, tuple(results))
         st.history.append(report)
         self._account(report)
         return report

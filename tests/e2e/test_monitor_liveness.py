@@ -1,0 +1,312 @@
+"""Liveness and pass scheduling end to end: stopped, killed and slow engines; short intervals.
+
+Real faults: SIGSTOP (the process keeps its socket and answers nothing), SIGKILL (the port
+refuses), and a /health that answers slowly. Spec section "Liveness"; DESIGN §3 (passes never
+overlap; a slow pass delays the next).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from narwhal.control.monitor import STAGE_ORDER
+from tests.support.poll import eventually
+from tests.support.router import RunningRouter, StartRouter
+from tests.support.sim_process import SimFactory, SimProcess
+
+PREFILL = ("--role", "prefill", "--kv-role", "kv_producer")
+DECODE = ("--role", "decode", "--kv-role", "kv_consumer")
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+def pd_fleet(prefill: SimProcess, *decodes: SimProcess) -> list[dict[str, Any]]:
+    return [{"id": "p0", "url": prefill.url, "role": "prefill"}] + [
+        {"id": f"d{i}", "url": d.url, "role": "decode"} for i, d in enumerate(decodes)
+    ]
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def engine(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str) -> dict[str, Any]:
+    body = await get_json(http, rr.url + "/admin/engines")
+    return next(e for e in body["engines"] if e["id"] == engine_id)
+
+
+async def complete(http: aiohttp.ClientSession, rr: RunningRouter) -> int:
+    body = {"model": "demo-model", "prompt": "are you alive", "max_tokens": 3}
+    async with http.post(rr.url + "/v1/completions", json=body) as resp:
+        await resp.read()
+        return resp.status
+
+
+class MissLog:
+    """Samples one engine's (liveness misses, ejected) every 5 ms, straight from the router."""
+
+    def __init__(self, rr: RunningRouter, engine_id: str) -> None:
+        self.state = rr.router.fleet.get(engine_id)
+        self.samples: list[tuple[int, bool]] = []
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.samples.append((self.state.liveness_misses, self.state.ejected is not None))
+            await asyncio.sleep(0.005)
+
+    def misses_before_ejection(self) -> list[int]:
+        return sorted({m for m, ejected in self.samples if not ejected})
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self._task
+
+
+# Liveness is the subject here: the connection/timeout streaks of the same sweeps must not
+# eject first, so eject_after is set above liveness_misses.
+LIVENESS = {"liveness_misses": 3, "eject_after": 20}
+HEALTH_TIMEOUT_S = 0.4
+FAST_HEALTH = {"health_timeout_s": HEALTH_TIMEOUT_S}
+
+
+@pytest.mark.slow
+async def test_a_stopped_engine_is_ejected_after_liveness_misses_silent_sweeps(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    rr = await start_router(pd_fleet(prefill, d0, d1), recovery=LIVENESS, engine=FAST_HEALTH)
+    await eventually(lambda: rr.router.monitor.status.passes >= 2, what="two passes")
+    log = MissLog(rr, "d1")
+    frozen_at = time.monotonic()
+    d1.freeze()
+    try:
+        record = await eventually(lambda: _ejected(http, rr, "d1"), timeout_s=10, what="d1 ejected")
+    finally:
+        elapsed = time.monotonic() - frozen_at
+        await log.stop()
+    assert record["cause"] == "liveness"
+    # Ejected only once the counter reached the limit: 1 and 2 were seen without ejection.
+    assert log.misses_before_ejection() == [0, 1, 2]
+    assert elapsed >= 2 * HEALTH_TIMEOUT_S, "three silent sweeps need at least two health timeouts"
+    # The other engines' counters are their own.
+    for other in ("p0", "d0"):
+        state = await engine(http, rr, other)
+        assert state["liveness_misses"] == 0 and state["ejected"] is None
+    # Requests keep succeeding on the live decode engine.
+    assert [await complete(http, rr) for _ in range(4)] == [200] * 4
+
+    # Thawed, the engine answers again and the readmission pipeline returns it.
+    d1.thaw()
+
+    async def back() -> bool:
+        state = await engine(http, rr, "d1")
+        return state["ejected"] is None and state["liveness_misses"] == 0
+
+    await eventually(back, timeout_s=10, what="d1 readmitted after thaw")
+
+
+async def _ejected(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str) -> Any:
+    return (await engine(http, rr, engine_id))["ejected"]
+
+
+async def test_a_killed_engine_is_ejected_after_liveness_misses_silent_sweeps(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    rr = await start_router(pd_fleet(prefill, d0, d1), recovery=LIVENESS, engine=FAST_HEALTH)
+    await eventually(lambda: rr.router.monitor.status.passes >= 2, what="two passes")
+    log = MissLog(rr, "d1")
+    d1.kill()
+    record = await eventually(lambda: _ejected(http, rr, "d1"), timeout_s=10, what="d1 ejected")
+    await log.stop()
+    assert record["cause"] == "liveness"
+    assert log.misses_before_ejection() == [0, 1, 2]
+    assert [await complete(http, rr) for _ in range(4)] == [200] * 4
+
+
+@pytest.mark.slow
+async def test_a_slow_health_within_the_timeout_is_never_a_miss(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    # /health on d1 takes 150 ms; the health timeout is 600 ms.
+    d1.add_fault({"kind": "health_hang", "delay_s": 0.15})
+    rr = await start_router(
+        pd_fleet(prefill, d0, d1),
+        recovery={"liveness_misses": 1, "eject_after": 1},
+        engine={"health_timeout_s": 0.6},
+    )
+    await eventually(lambda: rr.router.monitor.status.passes >= 8, timeout_s=10, what="8 passes")
+    state = await engine(http, rr, "d1")
+    assert state["ejected"] is None
+    assert state["liveness_misses"] == 0
+    assert set(state["evidence"].values()) == {0}
+    assert state["eligible"] is True
+    assert [await complete(http, rr) for _ in range(4)] == [200] * 4
+
+
+@pytest.mark.slow
+async def test_any_successful_health_response_resets_the_miss_counter(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    rr = await start_router(
+        pd_fleet(prefill, d0, d1),
+        recovery={"liveness_misses": 4, "eject_after": 20},
+        engine=FAST_HEALTH,
+    )
+    await eventually(lambda: rr.router.monitor.status.passes >= 2, what="two passes")
+    state = rr.router.fleet.get("d1")
+
+    d1.freeze()
+    await eventually(lambda: state.liveness_misses >= 2, timeout_s=5, what="two misses")
+    d1.thaw()
+    await eventually(lambda: state.liveness_misses == 0, timeout_s=5, what="counter reset")
+    assert state.ejected is None
+
+    # After the reset, a new outage needs the full count again (1, 2, 3 seen, then ejection).
+    log = MissLog(rr, "d1")
+    d1.freeze()
+    try:
+        record = await eventually(lambda: _ejected(http, rr, "d1"), timeout_s=10, what="d1 ejected")
+    finally:
+        d1.thaw()
+        await log.stop()
+    assert record["cause"] == "liveness"
+    assert log.misses_before_ejection() == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+async def test_health_hang_count_then_200_resets_the_counter_without_ejection(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Two silent sweeps (health hangs past the timeout), one 200, two more: never 3 in a row."""
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    rr = await start_router(
+        pd_fleet(prefill, d0, d1),
+        recovery={"liveness_misses": 3, "eject_after": 20},
+        engine=FAST_HEALTH,
+    )
+    await eventually(lambda: rr.router.monitor.status.passes >= 1, what="first pass")
+    log = MissLog(rr, "d1")
+    state = rr.router.fleet.get("d1")
+    for _ in range(2):
+        start = len(log.samples)
+        d1.add_fault({"kind": "health_hang", "delay_s": 1.0, "count": 2})
+
+        def two_then_reset(start: int = start) -> bool:
+            misses = [m for m, _ in log.samples[start:]]
+            return 2 in misses and misses[-1] == 0 and misses.index(2) < len(misses) - 1
+
+        await eventually(two_then_reset, timeout_s=5, what="two misses, then a reset")
+    await log.stop()
+    assert state.ejected is None
+    assert max(m for m, _ in log.samples) == 2
+
+
+# ------------------------------------------------------------------------------ scheduling
+async def test_short_intervals_run_passes_at_the_interval(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    prefill, d0 = sim_factory.start_many([list(PREFILL), list(DECODE)])
+    rr = await start_router(pd_fleet(prefill, d0), controller={"monitor_interval_s": 0.1})
+    t0 = time.monotonic()
+    await eventually(lambda: rr.router.monitor.status.passes >= 11, timeout_s=5, what="11 passes")
+    elapsed = time.monotonic() - t0
+    assert elapsed >= 0.9, "passes must not run faster than the interval"
+    assert elapsed < 4.0, "0.1 s passes over fast stages must keep their pace"
+    mon = await get_json(http, rr.url + "/admin/monitor")
+    passes = list(reversed(mon["last_passes"]))
+    # Fast stages: one pass per interval, no busy loop and no drift.
+    mean_gap = (passes[-1]["started_at"] - passes[0]["started_at"]) / (len(passes) - 1)
+    assert 0.095 <= mean_gap <= 0.3, mean_gap
+
+
+@pytest.mark.slow
+async def test_slow_passes_never_overlap(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """A 0.4 s health stage with a 0.1 s interval: the next pass waits for the previous."""
+    prefill, d0 = sim_factory.start_many([list(PREFILL), list(DECODE)])
+    d0.add_fault({"kind": "health_hang", "delay_s": 0.4})
+    inside = {"now": 0, "max": 0}
+    router: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def controller(now: float) -> None:
+        inside["now"] += 1
+        inside["max"] = max(inside["max"], inside["now"])
+        await (await router).small.controller(now)
+
+    async def handoff(now: float) -> None:
+        try:
+            await (await router)._handoff_stage(now)
+        finally:
+            inside["now"] -= 1
+
+    rr = await start_router(
+        pd_fleet(prefill, d0),
+        controller={"monitor_interval_s": 0.1},
+        engine={"health_timeout_s": 1.0},
+        router_kwargs={"stage_overrides": {"controller": controller, "handoff": handoff}},
+    )
+    router.set_result(rr.router)
+    await eventually(lambda: rr.router.monitor.status.passes >= 5, timeout_s=10, what="5 passes")
+    mon = await get_json(http, rr.url + "/admin/monitor")
+    assert inside["max"] == 1, "two passes were inside their stages at once"
+
+    passes = list(reversed(mon["last_passes"]))
+    assert len(passes) >= 5
+    for p in passes:
+        assert [s["stage"] for s in p["stages"]] == list(STAGE_ORDER)
+        assert all(s["ok"] for s in p["stages"]), p
+    durations = [sum(s["duration_s"] for s in p["stages"]) for p in passes]
+    assert min(durations) >= 0.39
+    # Consecutive stamps are at least a pass apart (whether a stamp marks the start or the
+    # end of its pass: see test_started_at_is_when_the_pass_started).
+    for i in range(len(passes) - 1):
+        gap = passes[i + 1]["started_at"] - passes[i]["started_at"]
+        assert gap >= min(durations[i], durations[i + 1]) - 0.01, (passes[i], passes[i + 1])
+    # The health checks of d0 kept succeeding (slow, not silent).
+    state = await engine(http, rr, "d0")
+    assert state["liveness_misses"] == 0 and state["ejected"] is None
+
+
+async def test_started_at_is_when_the_pass_started(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    prefill, d0 = sim_factory.start_many([list(PREFILL), list(DECODE)])
+    d0.add_fault({"kind": "health_hang", "delay_s": 0.4})
+    rr = await start_router(
+        pd_fleet(prefill, d0),
+        controller={"monitor_interval_s": 0.1},
+        engine={"health_timeout_s": 1.0},
+    )
+    mon = await eventually(
+        lambda: _monitor_with_passes(http, rr, 2), timeout_s=10, what="two passes"
+    )
+    observed_at = time.time()
+    for p in mon["last_passes"]:
+        duration = sum(s["duration_s"] for s in p["stages"])
+        # A pass that started at `started_at` and lasted `duration` ended before we read it.
+        assert p["started_at"] + duration <= observed_at + 0.01, (p["started_at"], duration)
+
+
+async def _monitor_with_passes(
+    http: aiohttp.ClientSession, rr: RunningRouter, n: int
+) -> dict[str, Any] | None:
+    mon = await get_json(http, rr.url + "/admin/monitor")
+    return mon if mon["passes"] >= n else None
