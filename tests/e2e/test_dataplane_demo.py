@@ -1,0 +1,120 @@
+"""`narwhal-serve --demo` as a real process: it serves, and SIGINT stops it and its engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support.poll import eventually
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "demo.log"
+    log = log_path.open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "narwhal.cli.serve", "--demo", "--listen", f"127.0.0.1:{port}",
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    engines: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ready() -> bool:
+                assert proc.returncode is None, log_path.read_text()
+                try:
+                    async with http.get(url + "/ready") as resp:
+                        return resp.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+
+            await eventually(ready, timeout_s=START_TIMEOUT_S, interval_s=0.1, what="demo ready")
+        engines = _children(proc.pid)
+        assert len(engines) == 4, "2 prefill + 2 decode narwhal-sim processes"
+
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        try:
+            answer = await asyncio.wait_for(
+                client.completions.create(model="demo-model", prompt="Hello narwhal", max_tokens=8),
+                timeout=10,
+            )
+            chat = await asyncio.wait_for(
+                client.chat.completions.create(
+                    model="demo-model",
+                    messages=[{"role": "user", "content": "Hi"}],
+                    max_tokens=5,
+                ),
+                timeout=10,
+            )
+        finally:
+            await client.close()
+        assert len(answer.choices[0].text.split()) == 8
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        assert answer.usage.prompt_tokens_details.cached_tokens == answer.usage.prompt_tokens
+        assert chat.choices[0].message.content
+
+        proc.send_signal(signal.SIGINT)
+        status = await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+        assert status == 0, log_path.read_text()
+        await eventually(
+            lambda: not any(_alive(pid) for pid in engines),
+            timeout_s=5,
+            what="demo engines stopped",
+        )
+    finally:
+        for pid in [proc.pid, *engines]:
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 5)
+        log.close()
