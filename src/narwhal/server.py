@@ -238,14 +238,12 @@ class Router:
     async def _suspect_probe(self, engine_id: str, cls: FailureClass) -> None:
         """A timeout or overload streak: a failing health probe confirms it and ejects."""
         engine = self.fleet.get(engine_id)
-        if engine.ejected is not None:
-            return
-        result = await check_health(
-            self.client,
-            engine,
-            self.config.engine.health_timeout_s,
-            engine.config.resolved_api_key(),
-        )
+        try:
+            if engine.ejected is not None:
+                return
+            result = await check_health(self.client, engine, self.config.engine.health_timeout_s)
+        finally:
+            self._suspects.discard(engine_id)
         now = self.clock.monotonic()
         self.metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
         if result.answer is Answer.OK:

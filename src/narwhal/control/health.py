@@ -22,7 +22,7 @@ from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind, classify_status
-from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
+from narwhal.engine.transport import EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.health")
@@ -40,17 +40,10 @@ class HealthResult:
     failure: EngineFailure | None = None
 
 
-async def check_health(
-    client: EngineClient, engine: EngineState, timeout_s: float, api_key: str | None
-) -> HealthResult:
+async def check_health(client: EngineClient, engine: EngineState, timeout_s: float) -> HealthResult:
     """One health probe over the control pool, classified."""
     try:
-        reply = await client.get(
-            PoolKind.CONTROL,
-            engine.config.url + "/health",
-            timeout_s,
-            headers=engine_headers(api_key, None),
-        )
+        reply = await control_get(client, engine.config, "/health", timeout_s)
     except EngineFailure as exc:
         return HealthResult(Answer.SILENT, exc)
     if reply.status == 200:
@@ -87,7 +80,6 @@ class HealthStages:
         self._evidence = evidence
         self._lifecycle = lifecycle
         self._metrics = metrics
-        self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         self._last: dict[str, HealthResult] | None = None
 
     async def health(self, now: float) -> None:
@@ -98,9 +90,7 @@ class HealthStages:
             if e.ejected is None or HoldName.FAILURE_QUARANTINE in e.active_holds_by_name(now)
         ]
         timeout = self._cfg.engine.health_timeout_s
-        results = await asyncio.gather(
-            *(check_health(self._client, e, timeout, self._api_keys[e.id]) for e in engines)
-        )
+        results = await asyncio.gather(*(check_health(self._client, e, timeout) for e in engines))
         self._last = {}
         for engine, result in zip(engines, results, strict=True):
             self._last[engine.id] = result
@@ -119,11 +109,8 @@ class HealthStages:
         """Record each engine's process generation once, so maintenance can compare."""
         for engine in engines:
             try:
-                reply = await self._client.get(
-                    PoolKind.CONTROL,
-                    engine.config.url + "/metrics",
-                    self._cfg.engine.health_timeout_s,
-                    headers=engine_headers(self._api_keys[engine.id], None),
+                reply = await control_get(
+                    self._client, engine.config, "/metrics", self._cfg.engine.health_timeout_s
                 )
             except EngineFailure:
                 continue
@@ -135,11 +122,8 @@ class HealthStages:
         """Read `max_model_len` from `/v1/models` once per engine, for prompt-length checks."""
         for engine in engines:
             try:
-                reply = await self._client.get(
-                    PoolKind.CONTROL,
-                    engine.config.url + "/v1/models",
-                    self._cfg.engine.health_timeout_s,
-                    headers=engine_headers(self._api_keys[engine.id], None),
+                reply = await control_get(
+                    self._client, engine.config, "/v1/models", self._cfg.engine.health_timeout_s
                 )
                 data = orjson.loads(reply.body)["data"]
                 limit = next(m.get("max_model_len") for m in data if m.get("id") == self._cfg.model)

@@ -22,7 +22,7 @@ from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.probes import InferenceProber
 from narwhal.engine.failures import EngineFailure
-from narwhal.engine.transport import EngineClient, PoolKind, engine_headers
+from narwhal.engine.transport import EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.readmission")
@@ -74,7 +74,6 @@ class Readmission:
         self._metrics = metrics
         self._rng = rng
         self._prober = prober
-        self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         self._next_try: dict[str, float] = {}
         self._attempts: dict[str, int] = {}
         self.last_results: dict[str, list[StepResult]] = {}
@@ -138,9 +137,7 @@ class Readmission:
         return results
 
     async def _health(self, engine: EngineState) -> tuple[bool, str]:
-        result = await check_health(
-            self._client, engine, self._cfg.engine.health_timeout_s, self._api_keys[engine.id]
-        )
+        result = await check_health(self._client, engine, self._cfg.engine.health_timeout_s)
         if result.answer is Answer.OK:
             return True, "health 200"
         assert result.failure is not None
@@ -182,11 +179,8 @@ class Readmission:
 
     async def _model(self, engine: EngineState) -> tuple[bool, str]:
         try:
-            reply = await self._client.get(
-                PoolKind.CONTROL,
-                engine.config.url + "/v1/models",
-                self._cfg.engine.probe_timeout_s,
-                headers=engine_headers(self._api_keys[engine.id], None),
+            reply = await control_get(
+                self._client, engine.config, "/v1/models", self._cfg.engine.probe_timeout_s
             )
             models = [m.get("id") for m in orjson.loads(reply.body)["data"]]
         except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
@@ -197,11 +191,8 @@ class Readmission:
 
     async def _generation(self, engine: EngineState) -> tuple[bool, str]:
         try:
-            reply = await self._client.get(
-                PoolKind.CONTROL,
-                engine.config.url + "/metrics",
-                self._cfg.engine.probe_timeout_s,
-                headers=engine_headers(self._api_keys[engine.id], None),
+            reply = await control_get(
+                self._client, engine.config, "/metrics", self._cfg.engine.probe_timeout_s
             )
         except EngineFailure as exc:
             return False, f"cannot read /metrics: {exc.detail}"

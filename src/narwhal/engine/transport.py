@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -116,6 +116,19 @@ class EngineClient:
                     return Reply(resp.status, data, resp.content_type)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise classify_exception(exc, FailureClass.TIMEOUT) from None
+
+
+class _Engine(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    def resolved_api_key(self) -> str | None: ...
+
+
+async def control_get(client: EngineClient, engine: _Engine, path: str, timeout_s: float) -> Reply:
+    """A GET on the control pool with the engine's API key (health, identity, metrics)."""
+    headers = engine_headers(engine.resolved_api_key(), None)
+    return await client.get(PoolKind.CONTROL, engine.url + path, timeout_s, headers=headers)
 
 
 def engine_headers(api_key: str | None, request_id: str | None) -> dict[str, Any]:
