@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import ssl
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -56,13 +55,6 @@ from narwhal.telemetry.timeline import Timeline
 log = logging.getLogger("narwhal.router")
 
 
-def engine_tls(config: Config) -> ssl.SSLContext | None:
-    """HTTPS engines are verified against the attestation CA when one is configured."""
-    if config.attestation.kind == "tls" and config.attestation.ca_file:
-        return ssl.create_default_context(cafile=config.attestation.ca_file)
-    return None
-
-
 def make_store(config: Config, fs: Filesystem | None) -> LeaseStore:
     lease = config.lease
     if lease.backend == "etcd":
@@ -90,7 +82,7 @@ class Router:
         self.fleet = Fleet(config.engines)
         self.admission = Admission()
         self.client = EngineClient(
-            config.serving.max_connections, config.engine.control_connections, engine_tls(config)
+            config.serving.max_connections, config.engine.control_connections
         )
         self.stats = IntervalStats(
             config.controller.interval_s,

@@ -110,7 +110,7 @@ def _handoff(args: argparse.Namespace) -> int:
         raw = read_handoff(Path(args.file))
     except UnreadableHandoff as exc:
         if args.handoff_command == "show":
-            print(f"narwhal: {exc}", file=sys.stderr)
+            print(f"narwhal: {args.file}: {exc.reason}", file=sys.stderr)
             return EXIT_ERROR
         print(f"invalid: {exc}")
         return EXIT_ERROR

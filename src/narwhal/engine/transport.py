@@ -63,6 +63,8 @@ class EngineClient:
     def __init__(
         self, data_limit: int, control_limit: int, ssl_context: ssl.SSLContext | None = None
     ) -> None:
+        """`ssl_context`: how HTTPS engines are verified (default: the system trust store,
+        which honours SSL_CERT_FILE)."""
         self._limits = {PoolKind.DATA: data_limit, PoolKind.CONTROL: control_limit}
         self._ssl = ssl_context
         self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
