@@ -1,0 +1,132 @@
+"""`python -m bench --mode quick|full --report FILE --results DIR [--suites a,b] [--no-peers]`.
+
+Starts everything on loopback, runs the suites in order (each bounded in requests and time),
+stops everything, writes DIR/<mode>.json (raw results) and the Markdown report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench import machine, procs
+from bench.context import PEER_KINDS, Context, jsonable, load_python, loadavg
+from bench.loadgen.driver import LoadGen
+from bench.modes import MODES
+from bench.report.render import render
+from bench.suites import control, faults, overhead, profile, streams
+from bench.tokenizer import write_tokenizer
+from bench.venv import BenchVenv, ensure_venv
+
+Suite = Callable[[Context], Awaitable[dict[str, Any]]]
+SUITES: dict[str, Suite] = {
+    "overhead": overhead.run,
+    "streams": streams.run,
+    "faults": faults.run,
+    "control": control.run,
+    "profile": profile.run,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=sorted(MODES), default="quick")
+    p.add_argument("--report", required=True, help="the Markdown report to write")
+    p.add_argument("--results", required=True, help="directory for raw JSON results and logs")
+    p.add_argument("--suites", default=",".join(SUITES), help="comma-separated subset")
+    p.add_argument("--no-peers", action="store_true", help="skip installing and running peers")
+    p.add_argument("--scenarios", help="fault scenarios to run (default: the mode's)")
+    p.add_argument("--routers", help="routers for the fault suite (default: the mode's)")
+    p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
+    return p
+
+
+async def _main(args: argparse.Namespace) -> int:
+    mode = MODES[args.mode]
+    if args.scenarios:
+        mode = replace(mode, fault_scenarios=tuple(args.scenarios.split(",")))
+    if args.routers:
+        mode = replace(mode, fault_routers=tuple(args.routers.split(",")))
+    results_dir, work = _prepare(args.results, mode.name)
+    started = time.time()
+    if args.no_peers:
+        venv = BenchVenv()
+        skipped = dict.fromkeys(PEER_KINDS, "not run (--no-peers)")
+    else:
+        venv = await ensure_venv(work / "logs" / "bench-venv.log")
+        skipped = {k: f"not installed: {venv.failed[k]}" for k in PEER_KINDS if k in venv.failed}
+    model = str(write_tokenizer(work / "tokenizer"))
+    loadgen = LoadGen(load_python(venv), work / "logs" / "loadgen.log")
+    ctx = Context(mode, work, venv, loadgen, model, skipped=skipped)
+    doc: dict[str, Any] = {
+        "mode": mode.name,
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+        "machine": machine.describe(venv),
+        "loadavg_start": loadavg(),
+        "load_python": load_python(venv),
+        "suites": {},
+        "errors": {},
+    }
+    failed = False
+    await loadgen.start()
+    try:
+        for name in [s for s in args.suites.split(",") if s]:
+            t0 = time.monotonic()
+            ctx.log(f"suite {name}: start (load average {loadavg()})")
+            try:
+                doc["suites"][name] = await SUITES[name](ctx)
+            except Exception:
+                failed = True
+                doc["errors"][name] = traceback.format_exc()
+                ctx.log(f"suite {name} failed:\n{doc['errors'][name]}")
+            finally:
+                await procs.stop_all()
+            ctx.log(f"suite {name}: {time.monotonic() - t0:.0f} s")
+    finally:
+        await loadgen.stop()
+        await procs.stop_all()
+    doc["skipped"] = ctx.skipped
+    doc["notes"] = ctx.notes
+    doc["commands"] = ctx.commands
+    doc["narwhal_configs"] = ctx.configs
+    doc["loadavg_end"] = loadavg()
+    doc["duration_s"] = time.time() - started
+    raw, report = _write(doc, results_dir, Path(args.report))
+    ctx.log(f"wrote {report} and {raw} in {doc['duration_s']:.0f} s")
+    return 1 if failed else 0
+
+
+def _prepare(results: str, mode: str) -> tuple[Path, Path]:
+    results_dir = Path(results).resolve()
+    work = results_dir / f"work-{mode}"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "logs").mkdir(parents=True)
+    return results_dir, work
+
+
+def _write(doc: dict[str, Any], results_dir: Path, report: Path) -> tuple[Path, Path]:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    raw = results_dir / f"{doc['mode']}.json"
+    raw.write_text(json.dumps(jsonable(doc), indent=1))
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(render(doc, raw))
+    return raw, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.from_results:
+        raw = Path(args.from_results)
+        Path(args.report).write_text(render(json.loads(raw.read_text()), raw))
+        return 0
+    return asyncio.run(_main(args))

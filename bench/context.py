@@ -1,0 +1,75 @@
+"""What every suite shares: the work directory, the bench virtualenv, the load generator."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen.driver import LoadGen
+from bench.modes import Mode
+from bench.routers import RouterSpec
+from bench.venv import BenchVenv
+
+PEER_KINDS = ("vllm-router", "sglang-router")
+REQUEST_TIMEOUT_S = 10.0  # every router's request deadline; the client gives up 2 s later
+CLIENT_GRACE_S = 2.0
+
+
+def router_spec(name: str) -> RouterSpec:
+    """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `direct`."""
+    if name == "direct":
+        return RouterSpec(name, "direct")
+    if name.startswith("narwhal"):
+        policy = "bounded" if name.endswith("bounded") else "single_attempt"
+        return RouterSpec(name, "narwhal", policy=policy)
+    kind = name.removesuffix("-hc1")
+    return RouterSpec(name, kind, health_interval_s=1.0 if name.endswith("-hc1") else None)
+
+
+@dataclass(slots=True)
+class Context:
+    mode: Mode
+    work: Path
+    venv: BenchVenv
+    loadgen: LoadGen
+    model: str
+    skipped: dict[str, str] = field(default_factory=dict)  # router kind -> why it cannot run
+    notes: list[str] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)  # router name -> command line
+    configs: dict[str, Any] = field(default_factory=dict)  # Narwhal variant -> its config
+
+    @property
+    def logs(self) -> Path:
+        return self.work / "logs"
+
+    def available(self, name: str) -> bool:
+        return router_spec(name).kind not in self.skipped
+
+    def log(self, message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def load_python(venv: BenchVenv) -> str:
+    """The load generator runs in the bench venv (uvloop) when it has aiohttp and uvloop."""
+    if venv.has("aiohttp") and venv.has("uvloop"):
+        return str(venv.python)
+    return sys.executable
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def jsonable(value: Any) -> Any:
+    """Round floats for the results file."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value

@@ -1,0 +1,260 @@
+"""The load client: closed-loop workers over one aiohttp session, request bodies as bytes.
+
+Bodies are spliced from pre-encoded pieces (no JSON encoding per request). In `direct` mode the
+client is the router: a prefill leg with `kv_transfer_params.do_remote_decode`, then the decode
+leg with the handoff the prefill returned, spliced into the original body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from bench.loadgen.spec import MARKER, RunResult, RunSpec
+from bench.stats import Histogram, summary
+
+_PREFILL_PARAMS = (
+    b',"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,'
+    b'"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}'
+)
+_HEADERS = {"Content-Type": "application/json"}
+
+
+class Bodies:
+    """`{"model", "prompt": "<words> bnchld n<i>", "max_tokens", "stream"}` as bytes."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        words = " ".join(f"w{i % 256}" for i in range(max(0, spec.prompt_words - 2)))
+        self.head = f'{{"model":{json.dumps(spec.model)},"prompt":"{words} {MARKER} n'.encode()
+        self.tails = {
+            True: f'","max_tokens":{spec.max_tokens},"stream":true}}'.encode(),
+            False: f'","max_tokens":{spec.max_tokens},"stream":false}}'.encode(),
+        }
+        self.prefill_tail = b'","max_tokens":1,"stream":false' + _PREFILL_PARAMS
+
+    def body(self, i: int, stream: bool) -> bytes:
+        return self.head + str(i).encode() + self.tails[stream]
+
+    def prefill(self, i: int) -> bytes:
+        return self.head + str(i).encode() + self.prefill_tail
+
+
+_MESSAGE = re.compile(rb'"message"\s*:\s*"([^"]{0,80})')
+
+
+def _error_reason(chunk: bytes) -> str:
+    """`error_event: <the first words of its message>` (digits dropped, to keep few keys)."""
+    match = _MESSAGE.search(chunk)
+    text = match[1].decode(errors="replace") if match else ""
+    text = ": ".join(text.split(": ")[:2])  # e.g. "upstream failure (stream): mid-stream ..."
+    return "error_event: " + re.sub(r"\d+", "N", text).strip()
+
+
+class Failed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _Tally:
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    gaps: Histogram = field(default_factory=Histogram)
+    window: tuple[float, float] = (0.0, 0.0)
+    window_chunks: int = 0
+    in_flight: int = 0
+    stall_ms: float = 1000.0
+
+
+class Client:
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._counter = itertools.count()
+        self._rr = itertools.count()
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None),
+                skip_auto_headers=("User-Agent",),
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def run(self, spec: RunSpec) -> RunResult:
+        session = await self.session()
+        bodies = Bodies(spec)
+        if spec.warmup_requests:
+            warm = RunSpec(**{**spec.to_json(), "records": False})
+            await self._loop(warm, session, bodies, RunResult("warmup"), _Tally(), warmup=True)
+        result = RunResult(spec.name)
+        tally = _Tally(stall_ms=spec.stall_ms)
+        cpu0 = time.process_time()
+        await self._loop(spec, session, bodies, result, tally, warmup=False)
+        result.client_cpu_s = time.process_time() - cpu0
+        result.latency_ms = summary(x * 1000 for x in tally.latencies)
+        result.ttft_ms = summary(x * 1000 for x in tally.ttfts)
+        result.gap_ms = tally.gaps.summary()
+        span = tally.window[1] - tally.window[0]
+        result.steady_chunks_per_s = tally.window_chunks / span if span > 0 else 0.0
+        return result
+
+    async def _loop(
+        self,
+        spec: RunSpec,
+        session: aiohttp.ClientSession,
+        bodies: Bodies,
+        result: RunResult,
+        tally: _Tally,
+        warmup: bool,
+    ) -> None:
+        limit = spec.warmup_requests if warmup else spec.max_requests
+        start = time.monotonic()
+        end = start + (spec.duration_s if not warmup else max(spec.duration_s, 30.0))
+        tally.window = (start + spec.ramp_s, end)
+        result.t_start = start
+
+        async def worker(k: int) -> None:
+            if spec.ramp_s and not warmup:
+                await asyncio.sleep(k * spec.ramp_s / spec.concurrency)
+            while result.started < limit and time.monotonic() < end:
+                result.started += 1
+                i = next(self._counter)
+                stream = spec.stream == "yes" or (spec.stream == "mixed" and i % 2 == 1)
+                await self._one(spec, session, bodies, i, stream, result, tally)
+
+        await asyncio.gather(*(worker(k) for k in range(spec.concurrency)))
+        result.t_end = time.monotonic()
+
+    async def _one(
+        self,
+        spec: RunSpec,
+        session: aiohttp.ClientSession,
+        bodies: Bodies,
+        i: int,
+        stream: bool,
+        result: RunResult,
+        tally: _Tally,
+    ) -> None:
+        t0 = time.monotonic()
+        tally.in_flight += 1
+        result.peak_in_flight = max(result.peak_in_flight, tally.in_flight)
+        outcome = "ok"
+        try:
+            async with asyncio.timeout(spec.deadline_s):
+                if spec.target == "direct":
+                    first = await self._direct(spec, session, bodies, i, stream, result, tally)
+                else:
+                    body = bodies.body(i, stream)
+                    first = await self._post(session, spec.url, body, i, stream, result, tally)
+        except TimeoutError:
+            outcome = "hung"
+        except Failed as exc:
+            outcome = exc.reason
+        except (aiohttp.ClientError, OSError) as exc:
+            outcome = f"transport:{type(exc).__name__}"
+        finally:
+            tally.in_flight -= 1
+        t1 = time.monotonic()
+        if outcome == "ok":
+            result.ok += 1
+            tally.latencies.append(t1 - t0)
+            if stream:
+                tally.ttfts.append(first - t0)
+        elif outcome == "hung":
+            result.hung += 1
+        else:
+            result.failed[outcome] = result.failed.get(outcome, 0) + 1
+        if spec.records:
+            result.records.append((round(t0, 4), round(t1, 4), outcome, int(stream)))
+
+    async def _direct(
+        self,
+        spec: RunSpec,
+        session: aiohttp.ClientSession,
+        bodies: Bodies,
+        i: int,
+        stream: bool,
+        result: RunResult,
+        tally: _Tally,
+    ) -> float:
+        n = next(self._rr)
+        prefill = spec.prefill[n % len(spec.prefill)] + "/v1/completions"
+        decode = spec.decode[n % len(spec.decode)] + "/v1/completions"
+        headers = {**_HEADERS, "X-Request-Id": f"bench-{i}"}
+        async with session.post(prefill, data=bodies.prefill(i), headers=headers) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise Failed(f"http_{resp.status}")
+        params = json.loads(data).get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise Failed("bad_handoff")
+        body = bodies.body(i, stream)
+        body = body[:-1] + b',"kv_transfer_params":' + json.dumps(params).encode() + b"}"
+        return await self._post(session, decode, body, i, stream, result, tally, headers)
+
+    async def _post(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        body: bytes,
+        i: int,
+        stream: bool,
+        result: RunResult,
+        tally: _Tally,
+        headers: dict[str, str] | None = None,
+    ) -> float:
+        """POST one completion; returns when its first byte of content arrived."""
+        async with session.post(url, data=body, headers=headers or _HEADERS) as resp:
+            if resp.status != 200:
+                await resp.read()
+                raise Failed(f"http_{resp.status}")
+            if not stream:
+                data = await resp.read()
+                if b'"choices"' not in data:
+                    raise Failed("bad_body")
+                return time.monotonic()
+            first = 0.0
+            last = 0.0
+            done = False
+            tail = b""
+            async for chunk in resp.content.iter_any():
+                now = time.monotonic()
+                events = chunk.count(b"data: ")
+                if b'"error"' in chunk:
+                    raise Failed(_error_reason(chunk))
+                seen = tail + chunk
+                if b"[DONE]" in seen:
+                    done = True
+                    events -= 1
+                tail = seen[-8:]
+                if events <= 0:
+                    continue
+                if first:
+                    gap_ms = (now - last) * 1000
+                    tally.gaps.add(gap_ms)
+                    if gap_ms > tally.stall_ms:
+                        result.stalls += 1
+                else:
+                    first = now
+                last = now
+                result.chunks += events
+                if tally.window[0] <= now <= tally.window[1]:
+                    tally.window_chunks += events
+            if not done:
+                raise Failed("no_done")
+            return first or time.monotonic()

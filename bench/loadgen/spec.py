@@ -1,0 +1,86 @@
+"""What one load run does (`RunSpec`) and what it measured (`RunResult`), as plain JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MARKER = "bnchld"  # in every prompt the load generator sends: the tap counts it per engine
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """A closed loop of `concurrency` clients, bounded in requests and in time.
+
+    `target` is `router` (POST to `url`) or `direct` (the client runs the PD round trip itself
+    against `prefill` and `decode`). `stream` is `yes`, `no` or `mixed` (alternating).
+    """
+
+    name: str
+    target: str
+    concurrency: int
+    max_requests: int
+    duration_s: float
+    deadline_s: float
+    model: str
+    stream: str = "no"
+    url: str = ""
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    max_tokens: int = 16
+    prompt_words: int = 32
+    ramp_s: float = 0.0
+    warmup_requests: int = 0
+    records: bool = False  # return every request's (start, end, outcome)
+    stall_ms: float = 1000.0  # a gap between two chunks of one stream longer than this stalls
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> RunSpec:
+        doc = dict(doc)
+        doc["prefill"] = tuple(doc.get("prefill", ()))
+        doc["decode"] = tuple(doc.get("decode", ()))
+        return cls(**doc)
+
+
+@dataclass(slots=True)
+class RunResult:
+    name: str
+    started: int = 0
+    ok: int = 0
+    failed: dict[str, int] = field(default_factory=dict)  # reason -> count
+    hung: int = 0  # still unanswered at the client's deadline
+    t_start: float = 0.0  # time.monotonic() (CLOCK_MONOTONIC, shared by all processes)
+    t_end: float = 0.0
+    latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p90, p99, max, mean
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    chunks: int = 0  # SSE data events received (without [DONE])
+    gap_ms: dict[str, float] = field(default_factory=dict)  # between chunks of one stream
+    stalls: int = 0
+    steady_chunks_per_s: float = 0.0  # data events per second between ramp-up and the end
+    peak_in_flight: int = 0
+    client_cpu_s: float = 0.0
+    records: list[tuple[float, float, str, int]] = field(default_factory=list)
+
+    @property
+    def elapsed_s(self) -> float:
+        return max(1e-9, self.t_end - self.t_start)
+
+    @property
+    def failures(self) -> int:
+        return sum(self.failed.values())
+
+    @property
+    def throughput(self) -> float:
+        return self.ok / self.elapsed_s
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> RunResult:
+        doc = dict(doc)
+        doc["records"] = [tuple(r) for r in doc.get("records", [])]
+        return cls(**doc)

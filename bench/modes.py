@@ -1,0 +1,87 @@
+"""Run sizes: `quick` (a smoke test, under a minute) and `full` (docs/benchmarks.md, ~15 min)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    # overhead suite
+    overhead_targets: tuple[str, ...]
+    concurrency: tuple[int, ...]
+    run_s: float
+    reps: int
+    # many-streams suite
+    streams_targets: tuple[str, ...]
+    streams: int
+    streams_run_s: float
+    streams_ramp_s: float
+    streams_tokens: int
+    # goodput under faults
+    fault_scenarios: tuple[str, ...]
+    fault_routers: tuple[str, ...]
+    fault_warm_s: float
+    fault_s: float
+    fault_after_s: float
+    # control-plane cost
+    control_sizes: tuple[int, ...]
+    control_s: float
+    # hot-path profile
+    profile_s: float
+
+
+ALL_TARGETS = ("direct", "narwhal", "vllm-router", "sglang-router")
+ALL_FAULTS = ("decode_killed", "prefill_5xx", "stall_mid_stream", "handoff_garbage", "frozen")
+ALL_FAULT_ROUTERS = (
+    "narwhal",
+    "narwhal-bounded",
+    "vllm-router",
+    "vllm-router-hc1",
+    "sglang-router",
+    "sglang-router-hc1",
+)
+
+MODES = {
+    "quick": Mode(
+        name="quick",
+        overhead_targets=ALL_TARGETS,
+        concurrency=(1, 64),
+        run_s=0.6,
+        reps=1,
+        streams_targets=("direct", "narwhal"),
+        streams=100,
+        streams_run_s=1.5,
+        streams_ramp_s=0.3,
+        streams_tokens=20,
+        fault_scenarios=("prefill_5xx",),
+        fault_routers=("narwhal", "narwhal-bounded"),
+        fault_warm_s=1.0,
+        fault_s=2.5,
+        fault_after_s=2.0,
+        control_sizes=(16,),
+        control_s=2.0,
+        profile_s=0.0,
+    ),
+    "full": Mode(
+        name="full",
+        overhead_targets=ALL_TARGETS,
+        concurrency=(1, 16, 64, 256),
+        run_s=1.5,
+        reps=3,
+        streams_targets=ALL_TARGETS,
+        streams=1000,
+        streams_run_s=8.0,
+        streams_ramp_s=2.0,
+        streams_tokens=40,
+        fault_scenarios=ALL_FAULTS,
+        fault_routers=ALL_FAULT_ROUTERS,
+        fault_warm_s=2.0,
+        fault_s=5.0,
+        fault_after_s=5.0,
+        control_sizes=(16, 64, 256),
+        control_s=6.0,
+        profile_s=6.0,
+    ),
+}

@@ -1,0 +1,1 @@
+"""Markdown rendering of a results document (docs/benchmarks.md in full mode)."""

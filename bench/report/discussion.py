@@ -1,0 +1,203 @@
+"""Where Narwhal is behind, from this run's numbers, and why (with the profile's top costs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report.overhead import point
+
+BEHIND = 0.05  # report gaps over 5 %
+_WRAPPERS = {  # request-handler frames that contain everything else
+    "DataPlane.handle",
+    "DataPlane._handle",
+    "DataPlane._serve",
+    "DataPlane._attempt",
+    "add_routes.<locals>.completions",
+}
+
+
+def _overhead(o: dict[str, Any]) -> list[str]:
+    out = []
+    peers = [t for t in o.get("targets", []) if t not in ("direct", "narwhal")]
+    cs = sorted({p["c"] for p in o.get("medians", [])})
+    for stream, label in (("no", "non-streaming"), ("yes", "streaming")):
+        for peer in peers:
+            slower, cpu = [], []
+            for c in cs:
+                n, q = point(o, "narwhal", stream, c), point(o, peer, stream, c)
+                if not n or not q:
+                    continue
+                if n["throughput"] < q["throughput"] * (1 - BEHIND):
+                    slower.append(f"c={c}: {n['throughput']:.0f} vs {q['throughput']:.0f}")
+                if q["router_cpu_s_per_1k"] > 0:
+                    cpu.append(n["router_cpu_s_per_1k"] / q["router_cpu_s_per_1k"])
+            if slower:
+                out.append(f"Throughput, {label}, below {peer} (req/s): " + "; ".join(slower) + ".")
+            if cpu and max(cpu) > 1 + BEHIND:
+                out.append(
+                    f"CPU per request, {label}: {min(cpu):.1f}-{max(cpu):.1f}x {peer}'s "
+                    "(all concurrencies)."
+                )
+    return out
+
+
+def _streams(s: dict[str, Any]) -> list[str]:
+    rows = {r["target"]: r for r in s.get("rows", [])}
+    n = rows.get("narwhal")
+    if not n:
+        return []
+    out = []
+    for peer, q in rows.items():
+        if peer in ("narwhal", "direct"):
+            continue
+        if n["steady_chunks_per_s"] < q["steady_chunks_per_s"] * (1 - BEHIND):
+            out.append(
+                f"{s['streams']} streams: {n['steady_chunks_per_s']:.0f} chunks/s delivered vs "
+                f"{q['steady_chunks_per_s']:.0f} through {peer}."
+            )
+        if q["cpu_us_per_chunk"] and n["cpu_us_per_chunk"] > q["cpu_us_per_chunk"] * 1.05:
+            out.append(
+                f"{s['streams']} streams: {n['cpu_us_per_chunk']:.0f} µs of router CPU per chunk "
+                f"vs {q['cpu_us_per_chunk']:.0f} µs for {peer}."
+            )
+    return out
+
+
+def _faults(f: dict[str, Any]) -> list[str]:
+    rows = f.get("rows", [])
+    out = []
+    for r in rows:
+        if not r["router"].startswith("narwhal"):
+            continue
+        better = [
+            p
+            for p in rows
+            if p["scenario"] == r["scenario"]
+            and not p["router"].startswith("narwhal")
+            and p["failed"] < r["failed"]
+        ]
+        if better:
+            names = ", ".join(f"{p['router']} {p['failed']}" for p in better)
+            out.append(
+                f"{r['scenario']}: {r['router']} failed {r['failed']} requests; fewer: {names}."
+            )
+        if r["out_of_rotation_s"] is None:
+            out.append(
+                f"{r['scenario']}: {r['router']} kept sending client requests to the faulty "
+                f"engine until the end of the fault ({r['at_engine_during_fault']} requests)."
+            )
+    return out
+
+
+def _control(c: dict[str, Any], interval_s: float) -> list[str]:
+    rows = c.get("rows", [])
+    if not rows:
+        return []
+    r = max(rows, key=lambda x: x["engines"])
+    share = r["pass_wall_ms"] / (interval_s * 1000)
+    if share < 0.25:
+        return []
+    stages = sorted(r["stage_ms"].items(), key=lambda kv: -kv[1])[:3]
+    top = ", ".join(f"{k} {v:.0f} ms" for k, v in stages)
+    return [
+        f"At {r['engines']} engines one monitor pass takes {r['pass_wall_ms']:.0f} ms of wall "
+        f"time ({share:.0%} of the {interval_s:.0f} s interval; {top}) and "
+        f"{r['cpu_ms_per_pass']:.0f} ms of CPU: the health stage probes every engine over "
+        "the control pool, and the telemetry stage sets about a dozen labelled gauges per "
+        "engine on every pass."
+    ]
+
+
+def _why_streams(s: dict[str, Any]) -> str:
+    rows = {r["target"]: r for r in s.get("rows", [])}
+    n = rows.get("narwhal")
+    if not n or not n["cpu_us_per_chunk"]:
+        return ""
+    capacity = 1e6 / n["cpu_us_per_chunk"]
+    needed = s["streams"] * 1000 / s["itl_ms"]
+    direct = rows.get("direct", {}).get("gap_ms", {}).get("p99")
+    versus = f" vs {direct:.0f} ms direct" if direct else ""
+    load = (
+        f"so the event loop is busy about {needed / capacity:.0%} of the time and a stream's "
+        f"events wait behind the others' (gap p99 {n['gap_ms'].get('p99', 0):.0f} ms{versus})"
+    )
+    return (
+        f"Many streams: Narwhal forwards every chunk on one event loop, at "
+        f"{n['cpu_us_per_chunk']:.0f} µs of CPU per chunk, so one core carries at most about "
+        f"{capacity:,.0f} chunks/s; {s['streams']} streams at {s['itl_ms']:.0f} ms need "
+        f"{needed:,.0f}/s, {load}. The Rust peers spread the "
+        "same work over both cores. Memory: each open stream holds an "
+        "aiohttp server request and `StreamResponse`, an upstream `ClientResponse` with its "
+        "`StreamReader` and buffers, the handler task and its coroutine frames; "
+        f"{n['memory_per_stream_kb'] or 0:.0f} KB per stream here against the target's 20 KB "
+        "(the peers, which keep larger pools and caches, use more in total)."
+    )
+
+
+def _why_faults(f: dict[str, Any]) -> str:
+    if not _faults(f):
+        return ""
+    return (
+        "Faults: sglang-router retries a failed request on another worker (5 attempts by "
+        "default, 5xx answers included) and trips a circuit breaker on failures, so its clients "
+        "rarely see an error; its breaker then keeps the engine out for 60 s by default, hence "
+        "'not within' in the *back* column. Narwhal's `single_attempt` policy returns the "
+        "in-flight failures (one per request that met the fault before the ejection), and "
+        "`bounded` retries only before the first byte reached the client, so streams cut by "
+        "a killed decode engine fail under both policies. A frozen engine's open streams fail "
+        "after `serving.stream_idle_timeout_s` (5 s, the fault's length here), where routers "
+        "without an idle deadline simply wait for the thaw. Narwhal's *back* times come from "
+        "readmission's backoff (the monitor interval doubled per failed attempt, jittered), "
+        "which keeps retrying an ejected engine while the fault lasts."
+    )
+
+
+def _why(p: dict[str, Any]) -> str:
+    j = p.get("json") or {}
+    if not j.get("samples"):
+        return ""
+    areas = ", ".join(f"{a} {100 * s:.0f}%" for a, s in j["areas"][:6])
+    top = ", ".join(f"`{f.split(' (')[0]}` {100 * s:.0f}%" for f, s in j["self"][:6])
+    below = [(f, s) for f, s in j["inclusive_narwhal"] if f.split(" (")[0] not in _WRAPPERS]
+    mine = ", ".join(f"`{f.split(' (')[0]}` {100 * s:.0f}%" for f, s in below[:8])
+    return (
+        "Narwhal is one Python process on one asyncio event loop; the peers are Rust (tokio and "
+        "hyper) with worker threads on both cores. For each client request Narwhal serves one "
+        "aiohttp server request and makes two aiohttp client requests (prefill, decode), parses "
+        "the client's JSON and the prefill's answer, and updates its Prometheus metrics. In the "
+        f"non-streaming profile the router's busy time splits as: {areas}. Top functions by self "
+        f"time: {top}. Below the request handler, Narwhal's frames by inclusive time: {mine}. "
+        "Socket writes "
+        "(`_SelectorSocketTransport.write`) include the kernel's loopback delivery; the rest of "
+        "the top is aiohttp's client machinery (request and header building, response parsing) "
+        "and per-request metric label lookups (`MetricWrapperBase.labels`), which are the "
+        "obvious places to cut: fewer writes per request, cached label children, a leaner "
+        "upstream request path."
+    )
+
+
+def render(doc: dict[str, Any]) -> str:
+    suites = doc["suites"]
+    sections = [
+        ("Overhead", _overhead(suites.get("overhead") or {})),
+        ("Many streams", _streams(suites.get("streams") or {})),
+        ("Faults", _faults(suites.get("faults") or {})),
+        ("Control plane", _control(suites.get("control") or {}, 1.0)),
+    ]
+    out = []
+    for title, items in sections:
+        if items:
+            out += [f"**{title}**", "", *[f"- {x}" for x in items], ""]
+    if not out:
+        out = ["Narwhal was not behind any peer by more than 5% on any measured figure.", ""]
+    why = [
+        _why(suites.get("profile") or {}),
+        _why_streams(suites.get("streams") or {}),
+        _why_faults(suites.get("faults") or {}),
+    ]
+    if any(why):
+        out += ["**Why**", ""]
+        for text in why:
+            if text:
+                out += [text, ""]
+    return "\n".join(out)

@@ -1,0 +1,54 @@
+"""The goodput-under-faults section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report.fmt import num, table
+
+
+def seconds(value: Any, never: str) -> str:
+    return never if value is None else f"{float(value):.2f}"
+
+
+def render(suite: dict[str, Any]) -> str:
+    after = f"not within {suite['after_s']:.0f} s"
+    out = [
+        f"Load: closed loop of {suite['concurrency']} clients, half of the requests streaming, "
+        f"{suite['max_tokens']} tokens at {suite['itl_ms']:.0f} ms ITL; every router's request "
+        f"deadline {suite['request_timeout_s']:.0f} s, the client gives up 2 s later (**hung**). "
+        f"Schedule: {suite['warm_s']:.0f} s of load, the fault for {suite['fault_s']:.0f} s, "
+        f"then {suite['after_s']:.0f} s more. **Out of rotation**: seconds from the fault's start "
+        f"to the last client request the faulty engine received, provided it then received none "
+        f"for the rest of the fault (at least {suite['quiet_s']:.0f} s); 'never' otherwise. "
+        f"**Budget** (Narwhal's target): the time the {suite['eject_after']}rd request reached "
+        f"the engine, plus the deadline that turns it into a failure, plus one monitor interval "
+        f"({suite['monitor_interval_s']:.0f} s). **Back**: seconds from the end of the fault "
+        f"to the first client request the engine received again. The load is a closed loop: "
+        f"when every client is stuck on a stalled stream the faulty engine gets no traffic "
+        f"either, so read *out of rotation* together with *ok req/s*.",
+        "",
+    ]
+    for scenario, what in suite["scenarios"].items():
+        rows = []
+        for r in suite["rows"]:
+            if r["scenario"] != scenario:
+                continue
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["failed_by"].items()))
+            rows.append(
+                [
+                    r["router"],
+                    str(r["requests"]),
+                    str(r["failed"]),
+                    str(r["hung"]),
+                    reasons or "-",
+                    seconds(r["out_of_rotation_s"], "never"),
+                    seconds(r["budget_s"], "-"),
+                    seconds(r["back_s"], after),
+                    num(r["throughput"], 0),
+                ]
+            )
+        header = ["router", "requests", "failed", "hung", "failures", "out of rotation s"]
+        header += ["Narwhal budget s", "back s", "ok req/s"]
+        out += [f"#### {scenario}", "", what + ".", "", table(header, rows), ""]
+    return "\n".join(out)

@@ -1,0 +1,104 @@
+"""How the numbers were made: commands, what runs, the routers' settings, definitions, caveats."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+_VENV = re.compile(r"\S*/(\.venv|bench/\.venv)/bin/")
+
+
+def _short(command: str) -> str:
+    """Paths inside the checkout, shortened so the report does not depend on where it ran."""
+    command = _VENV.sub(lambda m: "bench/.venv/bin/" if "bench" in m[1] else ".venv/bin/", command)
+    return re.sub(r"/\S*/(bench-results|work-\w+)/", "<results>/", command)
+
+
+def render(doc: dict[str, Any]) -> str:
+    commands = "\n".join(f"{name}: {_short(cmd)}" for name, cmd in doc.get("commands", {}).items())
+    narwhal = doc.get("narwhal_configs", {}).get("narwhal")
+    config = yaml.safe_dump(narwhal, sort_keys=False).strip() if narwhal else "(not run)"
+    config = re.sub(r"/\S*/(work-\w+)/", "<results>/", config)
+    return f"""### Running it
+
+```sh
+make bench          # full mode: this file, raw JSON in bench-results/full.json (~15 min)
+make bench-quick    # quick mode: bench-results/quick.md (under a minute once set up)
+.venv/bin/python -m bench --mode full --report docs/benchmarks.md --results bench-results \\
+    [--suites overhead,streams,faults,control,profile] [--no-peers]
+```
+
+The first run creates `bench/.venv` and installs the peers there with pip (`vllm-router==0.1.17`,
+`sglang-router==0.3.2`), plus `py-spy==0.4.3`, and `uvloop` and `aiohttp` for the load
+generator; later runs reuse it. Nothing leaves 127.0.0.1: the engines are `narwhal-sim`
+processes, and sglang-router is given a local tokenizer directory (below) so that it never tries
+to download one.
+
+### What runs
+
+- **Engines**: `narwhal-sim` processes (`python -m narwhal.sim.cli serve`, one per engine,
+  `--kv-role kv_producer` for prefill and `kv_consumer` for decode), started with
+  `--model <results>/work-*/tokenizer`: a directory holding a tiny word-level `tokenizer.json`.
+  The served model name and the `model_path` the sims report are that path, so sglang-router
+  loads its tokenizer from disk.
+- **Load generator**: `python -m bench.loadgen.worker` in its own process (bench venv, uvloop,
+  one aiohttp session, request bodies spliced from pre-encoded bytes), a closed loop of N
+  clients bounded by a request count and a duration. Its CPU use is recorded with every run.
+  **direct** is the load generator doing the PD round trip itself: a prefill leg with
+  `max_tokens: 1` and `kv_transfer_params.do_remote_decode: true`, then the decode leg with the
+  returned `kv_transfer_params` spliced into the original body (the no-router limit).
+- **Tap** (faults and control-plane suites): `python -m bench.tap`, a TCP relay with one port
+  per engine id. It timestamps every client request passing to an engine (the load generator's
+  prompts carry a marker; probes and health checks do not) and resets the router's connection
+  when the engine behind it refuses or drops one, as a dead process would.
+- **Router CPU and memory**: `utime + stime` of the router process (all threads) from
+  `/proc/<pid>/stat` before and after each run; peak memory is `VmHWM` from
+  `/proc/<pid>/status`, reset before each run (`echo 5 > /proc/<pid>/clear_refs`), so it is the
+  run's own peak RSS.
+- **Medians**: the overhead suite runs every target once per round, in a rotated order, for
+  `reps` rounds; tables show the median of the rounds (the p50/p99 columns are each run's
+  percentiles, then the median over rounds).
+
+### Routers and their settings
+
+All routers listen on 127.0.0.1, log at warning level (per-request logging would otherwise be
+part of what is measured) and get the same request deadline (`--request-timeout-secs` for the
+peers, `serving.request_timeout_s` for Narwhal). Otherwise the peers run with their defaults;
+the `-hc1` variants add `--health-check-interval-secs 1` (Narwhal's monitor interval). The
+peers use their default `cache_aware` policy; with one engine per role (overhead, profile) the
+policy cannot matter.
+
+```
+{commands}
+```
+
+Narwhal's configuration (overhead suite; the streams suite raises `serving.max_connections` and
+`queue_limit` to 4096, `narwhal-bounded` sets `serving.policy: bounded`, nothing else changes):
+
+```yaml
+{config}
+```
+
+### Caveats
+
+- **Two cores for everything.** Engines, router, load generator and tap share the machine's two
+  cores, so throughput is what the whole set-up sustains, and a router that uses less CPU
+  leaves more for the engines. Latency at concurrency 1 is the cleanest overhead figure. The
+  load average is recorded at start and end: other work on the machine moves every number.
+- **sglang-router does not speak vLLM's NixlConnector protocol.** It sends every request to a
+  prefill and a decode engine at once, with SGLang's `bootstrap_host/port/room`, and expects
+  the engines to meet through SGLang's bootstrap server. The sim ignores those fields, so both
+  engines serve the request as a plain (unified) completion: no KV handoff, and the prefill
+  engine generates all the tokens too. sglang-router's throughput and latency are therefore
+  not a PD round trip, and because it waits for the prefill engine's (here: full) answer
+  before streaming the decode's, its streaming TTFT equals its total latency and its streams
+  arrive in bursts. Its CPU and memory per request are still comparable.
+- **Peak RSS is the process's high-water mark during the run**, reset before it; allocators
+  keep memory that earlier, larger runs freed, so a small run after a big one shows the big
+  one's resident set.
+- **A killed engine is seen through the tap**: after SIGKILL the tap accepts the router's
+  connection and resets it once the sim's port refuses, rather than the kernel refusing the
+  connection itself. Both are connection failures to every router tested.
+"""

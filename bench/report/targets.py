@@ -1,0 +1,121 @@
+"""The targets, judged against the same run: met, or missed by how much."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bench.report.fmt import table
+from bench.report.overhead import point
+
+PEERS = ("vllm-router", "sglang-router")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    target: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+
+    def row(self) -> list[str]:
+        status = {True: "met", False: "**missed**", None: "not measured"}[self.met]
+        return [self.target, self.measured, status]
+
+
+def throughput(suites: dict[str, Any]) -> Verdict:
+    name = "Non-streaming throughput at c=64 through Narwhal ≥ vllm-router's"
+    o = suites.get("overhead") or {}
+    n = point(o, "narwhal", "no", 64) if o else None
+    v = point(o, "vllm-router", "no", 64) if o else None
+    if not n or not v:
+        return Verdict(name, "-", None)
+    gap = n["throughput"] / v["throughput"] - 1
+    text = f"{n['throughput']:.0f} vs {v['throughput']:.0f} req/s ({gap:+.0%})"
+    return Verdict(name, text, gap >= 0)
+
+
+def added_latency(suites: dict[str, Any]) -> Verdict:
+    name = "Added p50 latency over the direct PD round trip at c=1 < 1 ms"
+    o = suites.get("overhead") or {}
+    n = point(o, "narwhal", "no", 1) if o else None
+    d = point(o, "direct", "no", 1) if o else None
+    if not n or not d:
+        return Verdict(name, "-", None)
+    added = n["p50_ms"] - d["p50_ms"]
+    text = f"+{added:.2f} ms ({n['p50_ms']:.2f} vs {d['p50_ms']:.2f} ms, non-streaming)"
+    if added >= 1:
+        text += f"; over by {added - 1:.2f} ms"
+    return Verdict(name, text, added < 1)
+
+
+def streams(suites: dict[str, Any]) -> Verdict:
+    s = suites.get("streams") or {}
+    rows = [r for r in s.get("rows", []) if r["target"] == "narwhal"]
+    name = "At 1,000 concurrent streams: ≤ 20 KB router memory per stream, no stalls"
+    if not rows:
+        return Verdict(name, "-", None)
+    r = rows[0]
+    kb = r["memory_per_stream_kb"] or 0.0
+    clean = r["stalls"] == 0 and r["failed"] == 0 and r["hung"] == 0
+    text = (
+        f"{kb:.1f} KB/stream, {r['stalls']} stalls, {r['failed']} failed, {r['hung']} hung "
+        f"at {r['peak_in_flight']} streams"
+    )
+    if kb > 20:
+        text += f"; memory over by {kb - 20:.1f} KB ({kb / 20 - 1:.0%})"
+    met = kb <= 20 and clean if s["streams"] >= 1000 else None
+    return Verdict(name, text, met)
+
+
+def faults(suites: dict[str, Any]) -> list[Verdict]:
+    f = suites.get("faults") or {}
+    rows = f.get("rows", [])
+    out = []
+    for policy in ("narwhal", "narwhal-bounded"):
+        mine = [r for r in rows if r["router"] == policy]
+        if not mine:
+            continue
+        fewer, hung, rotation = [], [], []
+        for r in mine:
+            peers = [
+                p
+                for p in rows
+                if p["scenario"] == r["scenario"] and p["router"] in _peer_names(rows)
+            ]
+            best = min((p["failed"] for p in peers), default=None)
+            if best is not None and r["failed"] >= best:
+                fewer.append(f"{r['scenario']} {r['failed']} vs {best}")
+            if r["hung"]:
+                hung.append(f"{r['scenario']} {r['hung']}")
+            out_s, budget = r["out_of_rotation_s"], r["budget_s"]
+            if out_s is None:
+                rotation.append(f"{r['scenario']} never")
+            elif budget is not None and out_s > budget:
+                rotation.append(f"{r['scenario']} {out_s:.2f} s > {budget:.2f} s")
+        has_peers = any(p["router"] in _peer_names(rows) for p in rows)
+        out += [
+            Verdict(
+                f"{policy}: fewer failed requests than every peer, every scenario",
+                "; ".join(fewer) or "yes",
+                (not fewer) if has_peers else None,
+            ),
+            Verdict(f"{policy}: zero hung past deadline", "; ".join(hung) or "0", not hung),
+            Verdict(
+                f"{policy}: faulty engine out of rotation within budget",
+                "; ".join(rotation) or "yes",
+                not rotation,
+            ),
+        ]
+    return out
+
+
+def _peer_names(rows: list[dict[str, Any]]) -> set[str]:
+    return {r["router"] for r in rows if not r["router"].startswith("narwhal")}
+
+
+def verdicts(suites: dict[str, Any]) -> list[Verdict]:
+    return [throughput(suites), added_latency(suites), streams(suites), *faults(suites)]
+
+
+def render(suites: dict[str, Any]) -> str:
+    return table(["target", "measured", ""], [v.row() for v in verdicts(suites)]) + "\n"

@@ -1,0 +1,155 @@
+"""The routers under test: how each is configured, started and recognised as ready.
+
+Every router listens on 127.0.0.1, logs at warning level (per-request logging would be measured
+otherwise), and is given the same request deadline. Beyond that, peers run with their defaults,
+or with their health-check interval tuned to Narwhal's monitor interval (`-hc1` variants).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import web
+from bench.procs import Proc, free_port, spawn
+from bench.venv import BenchVenv
+
+BOOTSTRAP_PORT = "8998"  # SGLang's KV bootstrap port: announced to engines, never used by the sim
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """A router variant. `kind` is narwhal, vllm-router, sglang-router or direct."""
+
+    name: str
+    kind: str
+    policy: str = "single_attempt"
+    health_interval_s: float | None = None  # peers: None keeps the default
+    narwhal: dict[str, Any] = field(default_factory=dict)  # extra Narwhal config sections
+
+
+@dataclass(slots=True)
+class Running:
+    spec: RouterSpec
+    url: str
+    proc: Proc | None
+    argv: list[str] = field(default_factory=list)
+    config: dict[str, Any] | None = None  # Narwhal's YAML, as a dict
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await self.proc.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    model: str
+    prefill: list[str]
+    decode: list[str]
+
+
+def narwhal_config(spec: RouterSpec, engines: Engines, port: int, state: Path) -> dict[str, Any]:
+    listed: list[dict[str, Any]] = [
+        {"id": f"p{i}", "url": u, "role": "prefill"} for i, u in enumerate(engines.prefill)
+    ] + [{"id": f"d{i}", "url": u, "role": "decode"} for i, u in enumerate(engines.decode)]
+    config: dict[str, Any] = {
+        "router_id": f"bench-{spec.name}",
+        "listen": f"127.0.0.1:{port}",
+        "model": engines.model,
+        "engines": listed,
+        "serving": {"policy": spec.policy},
+        "handoff": {"path": str(state / "handoff.json")},
+        "lease": {"backend": "none"},
+    }
+    for section, values in spec.narwhal.items():
+        config[section] = {**config.get(section, {}), **values}
+    return config
+
+
+async def start_router(
+    spec: RouterSpec,
+    engines: Engines,
+    work: Path,
+    venv: BenchVenv | None,
+    request_timeout_s: float,
+) -> Running:
+    """Start a router on a free port; a port taken in the meantime is retried on another."""
+    if spec.kind == "direct":
+        return Running(spec, "", None)
+    for attempt in range(3):
+        try:
+            return await _start(spec, engines, work, venv, request_timeout_s, free_port())
+        except RuntimeError as exc:
+            log = (work / "logs" / f"{spec.name}.log").read_text(errors="replace")[-4000:]
+            if attempt == 2 or "in use" not in log.lower():
+                raise RuntimeError(f"{exc}; log tail: {log[-600:]}") from None
+    raise AssertionError("unreachable")
+
+
+async def _start(
+    spec: RouterSpec,
+    engines: Engines,
+    work: Path,
+    venv: BenchVenv | None,
+    request_timeout_s: float,
+    port: int,
+) -> Running:
+    url = f"http://127.0.0.1:{port}"
+    log_dir = work / "logs"
+    config: dict[str, Any] | None = None
+    if spec.kind == "narwhal":
+        config = narwhal_config(spec, engines, port, work / "state" / spec.name)
+        config["serving"].setdefault("request_timeout_s", request_timeout_s)
+        path = _write_config(work / "state" / spec.name, config)
+        argv = [sys.executable, "-m", "narwhal.cli.serve", "--config", str(path)]
+        argv += ["--log-level", "WARNING"]
+        ready = "/ready"
+    else:
+        if venv is None or not venv.ready:
+            raise RuntimeError(f"{spec.name}: the bench virtualenv is not available")
+        argv = peer_argv(spec, engines, port, venv, request_timeout_s)
+        ready = "/health"
+    proc, _ = await spawn(spec.name, argv, log_dir)
+    try:
+        await web.wait_until(url + ready, timeout_s=60, alive=lambda: proc.alive)
+    except BaseException:
+        await proc.stop()
+        raise
+    return Running(spec, url, proc, argv, config)
+
+
+def _write_config(state: Path, config: dict[str, Any]) -> Path:
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "narwhal.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def peer_argv(
+    spec: RouterSpec, engines: Engines, port: int, venv: BenchVenv, request_timeout_s: float
+) -> list[str]:
+    if spec.kind == "vllm-router":
+        argv = [str(venv.bin / "vllm-router"), "--vllm-pd-disaggregation"]
+        for u in engines.prefill:
+            argv += ["--prefill", u]
+        log_level = "warning"
+    elif spec.kind == "sglang-router":
+        argv = [str(venv.python), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for u in engines.prefill:
+            argv += ["--prefill", u, BOOTSTRAP_PORT]
+        log_level = "warn"
+    else:
+        raise ValueError(f"unknown router kind {spec.kind}")
+    for u in engines.decode:
+        argv += ["--decode", u]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    argv += ["--request-timeout-secs", str(int(request_timeout_s))]
+    argv += ["--log-level", log_level]
+    if spec.health_interval_s is not None:
+        argv += ["--health-check-interval-secs", str(int(spec.health_interval_s))]
+    return argv

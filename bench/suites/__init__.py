@@ -1,0 +1,1 @@
+"""The benchmark suites; each `run(ctx)` returns a JSON-able dict for the results file."""

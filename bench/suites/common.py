@@ -1,0 +1,104 @@
+"""Pieces the suites share: starting a set of routers, measuring one load run on one target."""
+
+from __future__ import annotations
+
+import math
+import shlex
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bench.context import CLIENT_GRACE_S, REQUEST_TIMEOUT_S, Context, router_spec
+from bench.loadgen.spec import RunResult, RunSpec
+from bench.procs import reset_peak
+from bench.routers import Engines, Running, start_router
+
+
+async def start_routers(
+    ctx: Context, names: list[str], engines: Engines, tweak: dict[str, Any] | None = None
+) -> dict[str, Running]:
+    """Start every available router; one that fails to start is recorded in ctx.skipped."""
+    running: dict[str, Running] = {}
+    for name in names:
+        spec = router_spec(name)
+        if spec.kind in ctx.skipped:
+            continue
+        if tweak and spec.kind == "narwhal":
+            spec = replace(spec, narwhal=tweak)
+        t0 = time.monotonic()
+        try:
+            running[name] = await start_router(spec, engines, ctx.work, ctx.venv, REQUEST_TIMEOUT_S)
+            if spec.kind != "direct":
+                ctx.log(f"{name} ready in {time.monotonic() - t0:.1f} s")
+                ctx.commands.setdefault(name, shlex.join(running[name].argv))
+            if running[name].config is not None:
+                ctx.configs.setdefault(name, running[name].config)
+        except (RuntimeError, OSError) as exc:
+            if spec.kind == "narwhal":
+                raise
+            ctx.skipped[spec.kind] = f"did not start: {exc}"
+            ctx.log(f"{name}: {ctx.skipped[spec.kind]}")
+    return running
+
+
+def run_spec(name: str, router: Running, engines: Engines, model: str, **kw: Any) -> RunSpec:
+    direct = router.spec.kind == "direct"
+    return RunSpec(
+        name=name,
+        target="direct" if direct else "router",
+        url="" if direct else router.url + "/v1/completions",
+        prefill=tuple(engines.prefill),
+        decode=tuple(engines.decode),
+        model=model,
+        deadline_s=REQUEST_TIMEOUT_S + CLIENT_GRACE_S,
+        **kw,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One load run plus what the router process spent on it."""
+
+    result: RunResult
+    router_cpu_s: float
+    peak_kb: int
+    rss_before_kb: int
+
+    @property
+    def cpu_s_per_1k(self) -> float:
+        done = self.result.ok + self.result.failures
+        return self.router_cpu_s / done * 1000 if done else math.nan
+
+    def row(self) -> dict[str, Any]:
+        r = self.result
+        return {
+            "ok": r.ok,
+            "failed": r.failures,
+            "failed_by": r.failed,
+            "hung": r.hung,
+            "elapsed_s": r.elapsed_s,
+            "throughput": r.throughput,
+            "latency_ms": r.latency_ms,
+            "ttft_ms": r.ttft_ms,
+            "router_cpu_s": self.router_cpu_s,
+            "router_cpu_s_per_1k": self.cpu_s_per_1k,
+            "peak_rss_kb": self.peak_kb,
+            "rss_before_kb": self.rss_before_kb,
+            "client_cpu_util": r.client_cpu_s / r.elapsed_s,
+            "chunks": r.chunks,
+            "steady_chunks_per_s": r.steady_chunks_per_s,
+            "gap_ms": r.gap_ms,
+            "stalls": r.stalls,
+            "peak_in_flight": r.peak_in_flight,
+        }
+
+
+async def measure(ctx: Context, router: Running, spec: RunSpec) -> Measured:
+    proc = router.proc
+    if proc is None:
+        return Measured(await ctx.loadgen.run(spec), math.nan, 0, 0)
+    reset_peak(proc.pid)
+    before = proc.usage()
+    result = await ctx.loadgen.run(spec)
+    after = proc.usage()
+    return Measured(result, after.cpu_s - before.cpu_s, after.hwm_kb, before.rss_kb)
