@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-fast clean system-deps
+.PHONY: demo test lint typecheck pytest test-fast clean system-deps bench bench-quick
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(BIN)/narwhal-serve --demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -41,6 +41,13 @@ test: lint typecheck pytest
 # Local loop: skips the slow end-to-end scenarios (CI runs everything).
 test-fast: $(STAMP) system-deps
 	$(BIN)/pytest -q -m 'not slow'
+
+# Benchmarks (docs/benchmarks.md): full run (~15 min on 2 cores) and a quick smoke (< 1 min).
+bench: $(STAMP)
+	$(BIN)/python -m bench --mode full --report docs/benchmarks.md --results bench-results
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench --mode quick --report bench-results/quick.md --results bench-results
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
