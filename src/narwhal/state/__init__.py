@@ -1,0 +1,1 @@
+"""Durable control-plane state: the handoff document and the lease."""

@@ -1,0 +1,102 @@
+"""Atomic file replacement: a process-unique temporary file, fsync, rename, fsync the dir.
+
+Concurrent writers each leave a complete document, so the destination is always one whole
+document. On failure the temporary file is removed and the destination is left intact.
+File-system calls go through `Filesystem`, the seam tests use to inject write errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from pathlib import Path
+
+
+class Filesystem:
+    """The OS calls an atomic write makes; subclass to inject faults (e.g. ENOSPC)."""
+
+    def open_exclusive(self, path: Path, mode: int) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def replace(self, src: Path, dest: Path) -> None:
+        os.replace(src, dest)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def temp_name(dest: Path) -> Path:
+    """`.<name>.<pid>.<random>.tmp` beside the destination: unique per process and write."""
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def atomic_write(dest: Path, data: bytes, mode: int = 0o600, fs: Filesystem | None = None) -> None:
+    fs = fs or Filesystem()
+    tmp = temp_name(dest)
+    fd = fs.open_exclusive(tmp, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[fs.write(fd, view) :]
+            fs.fsync(fd)
+        finally:
+            fs.close(fd)
+        fs.replace(tmp, dest)
+    except BaseException:
+        try:
+            fs.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fs.fsync_dir(dest.parent)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(dest: Path) -> list[Path]:
+    """Remove temporary files left by writers that died mid-write (their pid is gone).
+
+    Called at start: a killed writer cannot clean up, so its leftovers are bounded by the
+    number of writer crashes between two starts.
+    """
+    pattern = re.compile(rf"^\.{re.escape(dest.name)}\.(\d+)\.[0-9a-f]+\.tmp$")
+    removed: list[Path] = []
+    try:
+        entries = list(dest.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match and not _pid_alive(int(match[1])):
+            try:
+                entry.unlink()
+                removed.append(entry)
+            except OSError:
+                pass
+    return removed
