@@ -7,6 +7,7 @@ File-system calls go through `Filesystem`, the seam tests use to inject write er
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -61,10 +62,8 @@ def atomic_write(dest: Path, data: bytes, mode: int = 0o600, fs: Filesystem | No
             fs.close(fd)
         fs.replace(tmp, dest)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             fs.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     fs.fsync_dir(dest.parent)
 

@@ -88,7 +88,12 @@ class EtcdLeaseStore:
                 "result": "EQUAL",
                 "create_revision": "0",
             }
-        return {"key": _b64(self._key), "target": "MOD", "result": "EQUAL", "mod_revision": guard_rev}
+        return {
+            "key": _b64(self._key),
+            "target": "MOD",
+            "result": "EQUAL",
+            "mod_revision": guard_rev,
+        }
 
     async def read(self) -> LeaseRecord | None:
         record, _ = await self._record()
@@ -113,8 +118,7 @@ class EtcdLeaseStore:
 
     async def write_handoff(self, holder: str, epoch: int, data: bytes) -> bool:
         owner = _b64(f"{holder}:{epoch}")
-        guard = {"key": _b64(self._owner_key), "target": "VALUE", "result": "EQUAL",
-                 "value": owner}
+        guard = {"key": _b64(self._owner_key), "target": "VALUE", "result": "EQUAL", "value": owner}
         return await self._txn(guard, {self._handoff_key: data})
 
     async def read_handoff(self) -> bytes | None:

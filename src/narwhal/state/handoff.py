@@ -43,8 +43,12 @@ def _checksum(doc: dict[str, Any]) -> str:
 
 
 def _hold_json(hold: Hold) -> dict[str, Any]:
-    return {"name": hold.name.value, "reason": hold.reason, "since": hold.since_wall,
-            "deadline": hold.deadline_wall}
+    return {
+        "name": hold.name.value,
+        "reason": hold.reason,
+        "since": hold.since_wall,
+        "deadline": hold.deadline_wall,
+    }
 
 
 def engine_document(engine: EngineState) -> dict[str, Any]:
@@ -114,7 +118,9 @@ def check_document(raw: bytes | None, config: Config, schema: dict[str, Any]) ->
         return Verdict(False, "not a JSON object")
     if doc.get("schema") != SCHEMA:
         return Verdict(False, f"schema {doc.get('schema')!r} does not match {SCHEMA!r}")
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(doc)
+    )
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(document)"
         return Verdict(False, f"fails the schema at {where}: {error.message}")
@@ -125,17 +131,24 @@ def check_document(raw: bytes | None, config: Config, schema: dict[str, Any]) ->
     if saved != configured:
         added = sorted(i for i, _ in configured - saved)
         removed = sorted(i for i, _ in saved - configured)
-        return Verdict(False, f"engine set differs from the config: in config only {added}, "
-                              f"in handoff only {removed}")
+        return Verdict(
+            False,
+            f"engine set differs from the config: in config only {added}, "
+            f"in handoff only {removed}",
+        )
     if set(doc["engines"]) != {e.id for e in config.engines}:
         return Verdict(False, "impossible values: engines do not match engine_set")
     for engine in config.engines:
         role = Role(doc["engines"][engine.id]["role"])
         if role not in KV_ROLE_PERMITS[engine.effective_kv_role]:
-            return Verdict(False, f"impossible values: {engine.id} role {role.value} is not "
-                                  f"permitted by kv_role {engine.effective_kv_role.value}")
-    return Verdict(True, f"applied handoff sequence {doc['sequence']} from "
-                         f"{doc['writer']['router_id']}", doc)
+            return Verdict(
+                False,
+                f"impossible values: {engine.id} role {role.value} is not "
+                f"permitted by kv_role {engine.effective_kv_role.value}",
+            )
+    return Verdict(
+        True, f"applied handoff sequence {doc['sequence']} from {doc['writer']['router_id']}", doc
+    )
 
 
 def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
@@ -155,7 +168,9 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
             if deadline is not None and deadline <= now_wall:
                 continue
             engine.holds[HoldName(h["name"])] = Hold(
-                HoldName(h["name"]), h["reason"], h["since"],
+                HoldName(h["name"]),
+                h["reason"],
+                h["since"],
                 deadline_mono=None if deadline is None else now_mono + (deadline - now_wall),
                 deadline_wall=deadline,
             )
@@ -198,8 +213,12 @@ class HandoffWriter:
 
     def document(self) -> dict[str, Any]:
         return build_document(
-            self._fleet, self.sequence + 1, self._clock.wall(), self._router_id,
-            self._lease(), self._risk(),
+            self._fleet,
+            self.sequence + 1,
+            self._clock.wall(),
+            self._router_id,
+            self._lease(),
+            self._risk(),
         )
 
     async def write_local(self, data: bytes) -> None:

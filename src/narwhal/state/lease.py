@@ -14,6 +14,7 @@ the store's wall clock. Stores (file, etcd) only do compare-and-swap; the rules 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
@@ -184,8 +185,12 @@ class LeaseKeeper:
         self._renew_started = started
         # A live holder may admit until its own renew deadline: wait out its whole TTL.
         self._admit_after = started + (record.expires_at - wall if live and record else 0.0)
-        log.warning("lease: acquired epoch %d (previous %s%s)", new.epoch, previous,
-                    ", preempted" if live else "")
+        log.warning(
+            "lease: acquired epoch %d (previous %s%s)",
+            new.epoch,
+            previous,
+            ", preempted" if live else "",
+        )
         return True
 
     async def renew(self) -> None:
@@ -203,7 +208,10 @@ class LeaseKeeper:
                 ok = await self.store.renew(self.router_id, self.epoch, expires_at)
         except StoreUnavailable as exc:
             self.store_error = str(exc)
-            if self._clock.monotonic() - self._renew_started >= self._cfg.effective_renew_deadline_s:
+            if (
+                self._clock.monotonic() - self._renew_started
+                >= self._cfg.effective_renew_deadline_s
+            ):
                 self._fence(f"lease store unreachable: {exc}")
             return
         self.store_error = None
@@ -242,7 +250,5 @@ class LeaseKeeper:
     async def release(self) -> None:
         """Give the lease up on a clean shutdown so a standby takes over at once."""
         if self.role is Role.ACTIVE and self.epoch is not None:
-            try:
+            with contextlib.suppress(StoreUnavailable):
                 await self.store.renew(self.router_id, self.epoch, self._clock.wall())
-            except StoreUnavailable:
-                pass
