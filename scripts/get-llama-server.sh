@@ -5,7 +5,7 @@
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
 CACHE="${NARWHAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal}"
-LLAMA_PY_VERSION="${LLAMA_PY_VERSION:-}"   # empty: the newest sdist
+LLAMA_PY_VERSION="${LLAMA_PY_VERSION:-0.3.36}"   # the llama-cpp-python sdist whose llama.cpp is built
 mkdir -p "$CACHE"
 BIN="$CACHE/llama.cpp/bin/llama-server"
 MODEL_DIR="$CACHE/models"
@@ -15,9 +15,22 @@ if [ ! -x "$BIN" ]; then
   command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
   work="$(mktemp -d "$CACHE/build.XXXXXX")"
   trap 'rm -rf "$work"' EXIT
-  spec="llama-cpp-python${LLAMA_PY_VERSION:+==$LLAMA_PY_VERSION}"
-  "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "$spec" >&2
-  tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+  # The sdist straight from PyPI's JSON API, checked against its sha256 (`pip download`
+  # would build the package's build backend from source just to read its metadata).
+  "$PYTHON" - "$LLAMA_PY_VERSION" "$work/llama.tar.gz" >&2 <<'PY'
+import hashlib, json, sys, urllib.parse, urllib.request
+version, out = sys.argv[1], sys.argv[2]
+api = "https://pypi.org/pypi/llama-cpp-python/json"
+with urllib.request.urlopen(api, timeout=60) as resp:
+    files = json.load(resp)["releases"][version]
+sdist = next(u for u in files if u["packagetype"] == "sdist")
+with urllib.request.urlopen(urllib.parse.urljoin(api, sdist["url"]), timeout=600) as resp:
+    data = resp.read()
+if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]:
+    sys.exit(f"sha256 mismatch for {sdist['url']}")
+open(out, "wb").write(data)
+PY
+  tar -xzf "$work/llama.tar.gz" -C "$work"
   src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
   cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \

@@ -99,9 +99,12 @@ class EngineConfig(_Section):
     url: str
     role: Role
     kv_role: KvRole | None = None
-    api: Literal["vllm"] = "vllm"
+    api: Literal["vllm", "llamacpp"] = "vllm"
     api_key: str | None = None
     api_key_env: str | None = None
+    # llamacpp only: the engines' shared `--slot-save-path` as the router sees it, so saved
+    # slot files can be removed after use (without it they are left for the operator).
+    slot_save_path: str | None = Field(default=None, min_length=1)
 
     @field_validator("url")
     @classmethod
@@ -129,6 +132,8 @@ class EngineConfig(_Section):
             )
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("api_key: give api_key or api_key_env, not both")
+        if self.slot_save_path is not None and self.api != "llamacpp":
+            raise ValueError("slot_save_path: only engines with api llamacpp save slot files")
         return self
 
     @property
@@ -342,6 +347,11 @@ class Config(_Section):
                 raise ValueError(f"engines[{i}].url: duplicate engine url {eng.url!r}")
             seen_ids.add(eng.id)
             seen_urls.add(eng.url)
+            if eng.api != self.engines[0].api:
+                raise ValueError(
+                    f"engines[{i}].api: {eng.api} differs from engines[0].api "
+                    f"{self.engines[0].api}; a fleet speaks one engine API"
+                )
         roles = {e.role for e in self.engines}
         if Role.BOTH not in roles and roles != {Role.PREFILL, Role.DECODE}:
             missing = ({Role.PREFILL, Role.DECODE} - roles).pop()

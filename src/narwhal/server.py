@@ -34,6 +34,7 @@ from narwhal.control.readmission import Readmission
 from narwhal.control.stages import SmallStages
 from narwhal.dataplane.proxy import DataPlane
 from narwhal.engine.failures import FailureClass, SuccessKind
+from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
 from narwhal.state.atomic import Filesystem, remove_stale_temps
 from narwhal.state.etcd_store import EtcdLeaseStore
@@ -84,6 +85,7 @@ class Router:
         self.client = EngineClient(
             config.serving.max_connections, config.engine.control_connections
         )
+        self.adapters = Adapters(self.client, self.clock, config.engine.probe_timeout_s)
         self.stats = IntervalStats(
             config.controller.interval_s,
             self.clock.monotonic(),
@@ -103,14 +105,28 @@ class Router:
             self.clock,
             self.admission,
             new_request_id or (lambda: f"narwhal-{uuid.uuid4().hex}"),
+            self.adapters,
             stats=self.stats,
             timeline=self.timeline,
         )
         self.health = HealthStages(
-            config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics
+            config,
+            self.fleet,
+            self.client,
+            self.evidence,
+            self.lifecycle,
+            self.metrics,
+            self.adapters,
         )
         self.prober = InferenceProber(
-            config, self.fleet, self.client, self.evidence, self.lifecycle, self.metrics, self.clock
+            config,
+            self.fleet,
+            self.client,
+            self.evidence,
+            self.lifecycle,
+            self.metrics,
+            self.clock,
+            self.adapters,
         )
         self.readmission = Readmission(
             config,
@@ -120,6 +136,7 @@ class Router:
             self.metrics,
             rng or random.Random(),
             self.prober,
+            self.adapters,
         )
         self.small = SmallStages(
             config,
@@ -233,7 +250,9 @@ class Router:
         try:
             if engine.ejected is not None:
                 return
-            result = await check_health(self.client, engine, self.config.engine.health_timeout_s)
+            result = await check_health(
+                self.client, self.adapters, engine, self.config.engine.health_timeout_s
+            )
         finally:
             self._suspects.discard(engine_id)
         now = self.clock.monotonic()

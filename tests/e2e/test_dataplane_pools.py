@@ -172,7 +172,9 @@ async def test_data_pool_bound_saturation_and_a_free_control_pool(
         await rr.router.health.health(rr.router.clock.monotonic())
         sweep_s = time.monotonic() - started
         for engine in rr.router.fleet:
-            result = await check_health(rr.router.client, engine, HEALTH_TIMEOUT_S)
+            result = await check_health(
+                rr.router.client, rr.router.adapters, engine, HEALTH_TIMEOUT_S
+            )
             assert result.answer is Answer.OK, result
         started = time.monotonic()
         async with http.get(rr.url + "/ready") as resp:

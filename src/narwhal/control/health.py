@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -22,6 +21,7 @@ from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind, classify_status
+from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
 
@@ -40,28 +40,23 @@ class HealthResult:
     failure: EngineFailure | None = None
 
 
-async def check_health(client: EngineClient, engine: EngineState, timeout_s: float) -> HealthResult:
-    """One health probe over the control pool, classified."""
+async def check_health(
+    client: EngineClient, adapters: Adapters, engine: EngineState, timeout_s: float
+) -> HealthResult:
+    """One health probe over the control pool, classified (and shown to the adapter)."""
     try:
         reply = await control_get(client, engine.config, "/health", timeout_s)
     except EngineFailure as exc:
+        adapters(engine.config).observe_health(engine.id, False)
         return HealthResult(Answer.SILENT, exc)
     if reply.status == 200:
+        adapters(engine.config).observe_health(engine.id, True)
         return HealthResult(Answer.OK)
     cls = classify_status(reply.status) or FailureClass.INFERENCE_STATUS
     return HealthResult(
         Answer.ERROR,
         EngineFailure(cls, f"health answered HTTP {reply.status}", status=reply.status),
     )
-
-
-_START_TIME = re.compile(rb"^process_start_time_seconds\s+([0-9.eE+]+)\s*$", re.M)
-
-
-def parse_generation(metrics_text: bytes) -> float | None:
-    """The process generation: `process_start_time_seconds` from Prometheus text."""
-    match = _START_TIME.search(metrics_text)
-    return float(match[1]) if match else None
 
 
 class HealthStages:
@@ -73,8 +68,10 @@ class HealthStages:
         evidence: EvidenceRecorder,
         lifecycle: Lifecycle,
         metrics: Metrics,
+        adapters: Adapters,
     ) -> None:
         self._cfg = config
+        self._adapters = adapters
         self._fleet = fleet
         self._client = client
         self._evidence = evidence
@@ -90,7 +87,9 @@ class HealthStages:
             if e.ejected is None or HoldName.FAILURE_QUARANTINE in e.active_holds_by_name(now)
         ]
         timeout = self._cfg.engine.health_timeout_s
-        results = await asyncio.gather(*(check_health(self._client, e, timeout) for e in engines))
+        results = await asyncio.gather(
+            *(check_health(self._client, self._adapters, e, timeout) for e in engines)
+        )
         self._last = {}
         for engine, result in zip(engines, results, strict=True):
             self._last[engine.id] = result
@@ -104,17 +103,13 @@ class HealthStages:
         healthy = [e for e in engines if self._last[e.id].answer is Answer.OK]
         await self._learn_model_limits([e for e in healthy if e.max_model_len is None])
         await self._learn_generations([e for e in healthy if e.generation is None])
+        for engine in healthy:
+            await self._adapters(engine.config).learn(engine.config)
 
     async def _learn_generations(self, engines: list[EngineState]) -> None:
         """Record each engine's process generation once, so maintenance can compare."""
         for engine in engines:
-            try:
-                reply = await control_get(
-                    self._client, engine.config, "/metrics", self._cfg.engine.health_timeout_s
-                )
-            except EngineFailure:
-                continue
-            generation = parse_generation(reply.body)
+            generation, _ = await self._adapters(engine.config).generation(engine.config)
             if generation is not None:
                 engine.generation = generation
 

@@ -26,13 +26,14 @@ from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.sse import SseScanner
-from narwhal.engine import vllm
+from narwhal.engine.adapter import FinishedInPrefill, HandoffRefused, SlotsBusy, Unreadable
 from narwhal.engine.failures import (
     INFERENCE_CLASSES,
     EngineFailure,
     FailureClass,
     classify_status,
 )
+from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
 from narwhal.telemetry.metrics import Metrics
 
@@ -54,8 +55,8 @@ class ProbeResult:
     failure_class: FailureClass | None = None
 
 
-class _PeerTrouble(Exception):
-    """The peer's leg could not conclude: the probe is inconclusive."""
+class Inconclusive(Exception):
+    """The probe could not conclude for a reason that is not the engine's (no free slot)."""
 
 
 Spawn = Callable[[Coroutine[Any, Any, None]], object]
@@ -71,8 +72,10 @@ class InferenceProber:
         lifecycle: Lifecycle,
         metrics: Metrics,
         clock: Clock,
+        adapters: Adapters,
     ) -> None:
         self._cfg = config
+        self._adapters = adapters
         self._fleet = fleet
         self._client = client
         self._evidence = evidence
@@ -123,71 +126,106 @@ class InferenceProber:
         """One probe; never raises for engine trouble."""
         try:
             if engine.role is Role.BOTH:
-                await self.decode_leg(
-                    engine,
-                    {
-                        "model": self._cfg.model,
-                        "prompt": PROBE_PROMPT,
-                        "max_tokens": 2,
-                        "stream": True,
-                    },
-                )
+                await self.decode_leg(engine, self.unified_body(engine))
                 return ProbeResult(Verdict.OK, "unified leg completed")
             if engine.role is Role.PREFILL:
-                handoff = await self.prefill_leg(engine)
-                peer = self.peer(Role.DECODE, engine)
-                if peer is None:
-                    return ProbeResult(Verdict.INCONCLUSIVE, "no healthy decode peer")
-                try:
-                    await self.decode_leg(peer, self.decode_body(handoff))
-                except EngineFailure as exc:
-                    return ProbeResult(Verdict.INCONCLUSIVE, f"decode peer {peer.id}: {exc}")
-                return ProbeResult(Verdict.OK, f"prefill leg ok, consumed by {peer.id}")
-            peer = self.peer(Role.PREFILL, engine)
-            if peer is None:
-                return ProbeResult(Verdict.INCONCLUSIVE, "no healthy prefill peer")
-            try:
-                handoff = await self.prefill_leg(peer)
-            except EngineFailure as exc:
-                return ProbeResult(Verdict.INCONCLUSIVE, f"prefill peer {peer.id}: {exc}")
-            await self.decode_leg(engine, self.decode_body(handoff))
-            return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}")
+                return await self._probe_prefill(engine)
+            return await self._probe_decode(engine)
         except EngineFailure as exc:
             return ProbeResult(Verdict.FAILED, str(exc), exc.failure_class)
+        except HandoffRefused as exc:
+            return ProbeResult(Verdict.FAILED, str(exc), FailureClass.KV_HANDOFF)
+        except Inconclusive as exc:
+            return ProbeResult(Verdict.INCONCLUSIVE, str(exc))
 
-    def decode_body(self, handoff: vllm.Handoff) -> dict[str, Any]:
-        body = {"model": self._cfg.model, "prompt": PROBE_PROMPT, "max_tokens": 2, "stream": True}
-        return vllm.decode_body(body, handoff)
+    async def _probe_prefill(self, engine: EngineState) -> ProbeResult:
+        handoff = await self.prefill_leg(engine)
+        try:
+            peer = self.peer(Role.DECODE, engine)
+            if peer is None:
+                return ProbeResult(Verdict.INCONCLUSIVE, "no healthy decode peer")
+            try:
+                await self.decode_with(peer, handoff)
+            except EngineFailure as exc:
+                return ProbeResult(Verdict.INCONCLUSIVE, f"decode peer {peer.id}: {exc}")
+            return ProbeResult(Verdict.OK, f"prefill leg ok, consumed by {peer.id}")
+        finally:
+            await self.discard(engine, handoff)
 
-    async def prefill_leg(self, engine: EngineState) -> vllm.Handoff:
-        body = vllm.prefill_body({"model": self._cfg.model, "prompt": PROBE_PROMPT})
-        reply = await self._client.post(
-            PoolKind.CONTROL,
-            engine.config.url + "/v1/completions",
-            orjson.dumps(body),
-            engine_headers(engine.config.resolved_api_key(), f"narwhal-probe-{engine.id}"),
-            self._cfg.engine.probe_timeout_s,
-            timeout_class=FailureClass.STREAM,
-        )
+    async def _probe_decode(self, engine: EngineState) -> ProbeResult:
+        peer = self.peer(Role.PREFILL, engine)
+        if peer is None:
+            return ProbeResult(Verdict.INCONCLUSIVE, "no healthy prefill peer")
+        try:
+            handoff = await self.prefill_leg(peer)
+        except (EngineFailure, Inconclusive) as exc:
+            return ProbeResult(Verdict.INCONCLUSIVE, f"prefill peer {peer.id}: {exc}")
+        try:
+            await self.decode_with(engine, handoff)
+        finally:
+            await self.discard(peer, handoff)
+        return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}")
+
+    def _probe_body(self) -> dict[str, Any]:
+        return {"model": self._cfg.model, "prompt": PROBE_PROMPT, "max_tokens": 2, "stream": True}
+
+    def unified_body(self, engine: EngineState) -> dict[str, Any]:
+        return self._adapters(engine.config).unified_body(self._probe_body())
+
+    def _headers(self, engine: EngineState) -> dict[str, Any]:
+        return engine_headers(engine.config.resolved_api_key(), f"narwhal-probe-{engine.id}")
+
+    async def prefill_leg(self, engine: EngineState) -> object:
+        """A prefill on `engine` that must yield a readable handoff (discard it after use)."""
+        try:
+            reply = await self._adapters(engine.config).prefill(
+                PoolKind.CONTROL,
+                engine.config,
+                "completions",
+                {"model": self._cfg.model, "prompt": PROBE_PROMPT},
+                self._headers(engine),
+                self._cfg.engine.probe_timeout_s,
+            )
+        except SlotsBusy as exc:
+            raise Inconclusive(str(exc)) from None
         if reply.status != 200:
             cls = classify_status(reply.status) or FailureClass.INFERENCE_STATUS
             raise EngineFailure(
                 cls, f"prefill leg answered HTTP {reply.status}", status=reply.status
             )
-        try:
-            parsed = orjson.loads(reply.body)
-        except orjson.JSONDecodeError:
-            parsed = None
-        result = vllm.extract_handoff(parsed)
-        if not isinstance(result, vllm.Handoff):
-            reason = result.reason if isinstance(result, vllm.Unreadable) else "no handoff"
+        if isinstance(reply.result, Unreadable | FinishedInPrefill) or reply.result is None:
+            reason = reply.result.reason if isinstance(reply.result, Unreadable) else "no handoff"
             raise EngineFailure(FailureClass.KV_HANDOFF, f"prefill leg: {reason}")
-        return result
+        return reply.result
 
-    async def decode_leg(self, engine: EngineState, body: dict[str, Any]) -> None:
-        """Run a streamed leg to its terminal marker within the probe timeout."""
+    async def decode_with(self, engine: EngineState, handoff: object) -> None:
+        """Consume `handoff` on `engine`: HandoffRefused when it cannot be used (refused on
+        restore, or evidently recomputed), EngineFailure when the engine fails the leg."""
+        adapter = self._adapters(engine.config)
+        try:
+            async with adapter.decode(
+                PoolKind.CONTROL,
+                engine.config,
+                self._probe_body(),
+                handoff,
+                self._headers(engine),
+                self._cfg.engine.probe_timeout_s,
+            ) as body:
+                last = await self.decode_leg(engine, body)
+        except SlotsBusy as exc:
+            raise Inconclusive(str(exc)) from None
+        reason = adapter.recomputed(last)
+        if reason is not None:
+            raise HandoffRefused(reason)
+
+    async def discard(self, producer: EngineState, handoff: object) -> None:
+        await self._adapters(producer.config).discard(producer.config, handoff)
+
+    async def decode_leg(self, engine: EngineState, body: dict[str, Any]) -> bytes | None:
+        """Run a streamed leg to its terminal marker within the probe timeout; returns the
+        last data event."""
         session = self._client.session(PoolKind.CONTROL)
-        headers = engine_headers(engine.config.resolved_api_key(), f"narwhal-probe-{engine.id}")
+        headers = self._headers(engine)
         scanner = SseScanner()
         try:
             async with asyncio.timeout(self._cfg.engine.probe_timeout_s):
@@ -205,3 +243,4 @@ class InferenceProber:
             raise classify_exception(exc, FailureClass.STREAM) from None
         if scanner.malformed or not scanner.done:
             raise EngineFailure(FailureClass.STREAM, "decode leg ended without [DONE]")
+        return scanner.last

@@ -17,11 +17,13 @@ import orjson
 from narwhal.config import KV_ROLE_PERMITS, Config, Role
 from narwhal.control.attestation import Outcome, attest
 from narwhal.control.fleet import EngineState, Fleet
-from narwhal.control.health import Answer, check_health, parse_generation
+from narwhal.control.health import Answer, check_health
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
-from narwhal.control.probes import InferenceProber
+from narwhal.control.probes import Inconclusive, InferenceProber
+from narwhal.engine.adapter import HandoffRefused
 from narwhal.engine.failures import EngineFailure
+from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
 
@@ -66,8 +68,10 @@ class Readmission:
         metrics: Metrics,
         rng: random.Random,
         prober: InferenceProber,
+        adapters: Adapters,
     ) -> None:
         self._cfg = config
+        self._adapters = adapters
         self._fleet = fleet
         self._client = client
         self._lifecycle = lifecycle
@@ -137,7 +141,9 @@ class Readmission:
         return results
 
     async def _health(self, engine: EngineState) -> tuple[bool, str]:
-        result = await check_health(self._client, engine, self._cfg.engine.health_timeout_s)
+        result = await check_health(
+            self._client, self._adapters, engine, self._cfg.engine.health_timeout_s
+        )
         if result.answer is Answer.OK:
             return True, "health 200"
         assert result.failure is not None
@@ -155,26 +161,27 @@ class Readmission:
         kv_role = engine.config.effective_kv_role
         if role not in KV_ROLE_PERMITS[kv_role]:
             return False, f"kv_role {kv_role.value} does not permit role {role.value}"
+        prober = self._prober
         try:
             if role is Role.PREFILL:
-                await self._prober.prefill_leg(engine)
+                await prober.discard(engine, await prober.prefill_leg(engine))
                 return True, "produced a readable handoff"
             if role is Role.DECODE:
-                peer = self._prober.peer(Role.PREFILL, engine)
+                peer = prober.peer(Role.PREFILL, engine)
                 if peer is None:
                     return False, "no healthy prefill peer to produce a handoff to consume"
                 try:
-                    handoff = await self._prober.prefill_leg(peer)
-                except EngineFailure as exc:
+                    handoff = await prober.prefill_leg(peer)
+                except (EngineFailure, Inconclusive) as exc:
                     return False, f"prefill peer {peer.id} could not produce a handoff: {exc}"
-                await self._prober.decode_leg(engine, self._prober.decode_body(handoff))
+                try:
+                    await prober.decode_with(engine, handoff)
+                finally:
+                    await prober.discard(peer, handoff)
                 return True, f"consumed a handoff from {peer.id}"
-            await self._prober.decode_leg(
-                engine,
-                {"model": self._cfg.model, "prompt": "probe", "max_tokens": 2, "stream": True},
-            )
+            await prober.decode_leg(engine, prober.unified_body(engine))
             return True, "served a unified request"
-        except EngineFailure as exc:
+        except (EngineFailure, HandoffRefused, Inconclusive) as exc:
             return False, str(exc)
 
     async def _model(self, engine: EngineState) -> tuple[bool, str]:
@@ -190,15 +197,9 @@ class Readmission:
         return True, f"serves {self._cfg.model!r}"
 
     async def _generation(self, engine: EngineState) -> tuple[bool, str]:
-        try:
-            reply = await control_get(
-                self._client, engine.config, "/metrics", self._cfg.engine.probe_timeout_s
-            )
-        except EngineFailure as exc:
-            return False, f"cannot read /metrics: {exc.detail}"
-        generation = parse_generation(reply.body)
+        generation, why = await self._adapters(engine.config).generation(engine.config)
         if generation is None:
-            return False, "process_start_time_seconds missing from /metrics"
+            return False, why
         if engine.generation is not None and generation < engine.generation:
             return False, f"generation {generation} is older than last seen {engine.generation}"
         if HoldName.PLANNED_MAINTENANCE in engine.holds:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,17 @@ from narwhal.control.intervals import IntervalStats
 from narwhal.dataplane.errors import openai_error, sse_error_event
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
-from narwhal.dataplane.requests import BadRequest, ClientRequest, Endpoint, parse_request
+from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
 from narwhal.dataplane.sse import SseScanner
 from narwhal.dataplane.tokens import TokenBudget
-from narwhal.engine import vllm
+from narwhal.engine.adapter import (
+    PATHS,
+    Endpoint,
+    FinishedInPrefill,
+    HandoffRefused,
+    SlotsBusy,
+    Unreadable,
+)
 from narwhal.engine.failures import (
     ClientError,
     EngineFailure,
@@ -39,13 +46,13 @@ from narwhal.engine.failures import (
     SuccessKind,
     classify_status,
 )
+from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
 from narwhal.telemetry.metrics import Metrics
 from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.proxy")
 
-PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 
 
@@ -86,6 +93,7 @@ class DataPlane:
         clock: Clock,
         admission: Admission,
         new_request_id: Callable[[], str],
+        adapters: Adapters,
         stats: IntervalStats | None = None,
         timeline: Timeline | None = None,
     ) -> None:
@@ -98,6 +106,7 @@ class DataPlane:
         self._clock = clock
         self._admission = admission
         self._new_id = new_request_id
+        self._adapters = adapters
         self._stats = stats or IntervalStats(config.controller.interval_s, clock.monotonic())
         self._timeline = timeline or Timeline()
         self.pool = Pool("data", config.serving.max_connections)
@@ -316,26 +325,26 @@ class DataPlane:
         if roles == (Role.BOTH,):
             engine = self._place(Role.BOTH, tried)
             tried.add(engine.id)
-            return await self._final_leg(
-                req, request, deadline, attempt, engine, req.body, "unified"
-            )
+            body = self._adapters(engine.config).unified_body(req.body)
+            return await self._final_leg(req, request, deadline, attempt, engine, body, "unified")
         if not self._fleet.candidates(Role.DECODE, self._clock.monotonic()):
             raise NoCapacity(Role.DECODE)  # never spend a prefill whose KV nobody can read
         prefill = self._place(Role.PREFILL, tried)
         tried.add(prefill.id)
-        result = await self._prefill_leg(req, deadline, attempt, prefill)
-        if isinstance(result, web.StreamResponse):
-            return result
-        decode = self._place(Role.DECODE, tried)
-        tried.add(decode.id)
-        return await self._final_leg(
-            req, request, deadline, attempt, decode, vllm.decode_body(req.body, result), "decode"
-        )
+        handoff = await self._prefill_leg(req, deadline, attempt, prefill)
+        if isinstance(handoff, web.StreamResponse):
+            return handoff
+        try:
+            decode = self._place(Role.DECODE, tried)
+            tried.add(decode.id)
+            return await self._decode_leg(req, request, deadline, attempt, prefill, decode, handoff)
+        finally:
+            await self._adapters(prefill.config).discard(prefill.config, handoff)
 
     async def _prefill_leg(
         self, req: ClientRequest, deadline: float, attempt: _Attempt, engine: EngineState
-    ) -> vllm.Handoff | web.StreamResponse:
-        body = orjson.dumps(vllm.prefill_body(req.body))
+    ) -> object:
+        """The extracted handoff, or the whole answer when the prefill finished the request."""
         remaining = deadline - self._clock.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded()
@@ -344,36 +353,67 @@ class DataPlane:
         leg_start = time.perf_counter()
         with self._in_flight(engine):
             try:
-                reply = await self._client.post(
+                reply = await self._adapters(engine.config).prefill(
                     PoolKind.DATA,
-                    engine.config.url + PATHS[req.endpoint],
-                    body,
+                    engine.config,
+                    req.endpoint,
+                    req.body,
                     engine_headers(self._api_keys[engine.id], attempt.request_id),
                     limit,
-                    timeout_class=FailureClass.STREAM,
                 )
             except EngineFailure as exc:
                 raise self._fail(engine, "prefill", exc) from None
+            except SlotsBusy as exc:
+                raise Saturated(str(exc)) from None
         if reply.status != 200:
             raise self._status_failure(
                 engine, "prefill", reply.status, reply.body, reply.content_type
             )
-        try:
-            parsed = orjson.loads(reply.body)
-        except orjson.JSONDecodeError:
-            parsed = None
-        result = vllm.extract_handoff(parsed)
-        if isinstance(result, vllm.Unreadable):
+        result = reply.result
+        if isinstance(result, Unreadable):
             raise self._fail(
                 engine, "prefill", EngineFailure(FailureClass.KV_HANDOFF, result.reason)
             )
-        if isinstance(result, vllm.FinishedInPrefill):
+        if isinstance(result, FinishedInPrefill):
             self._succeed(engine, "prefill", SuccessKind.PREFILL_FINISHED)
-            assert isinstance(parsed, dict)
-            return _finished_response(req, parsed)
+            assert isinstance(reply.parsed, dict)
+            return _finished_response(req, reply.parsed)
         self._succeed(engine, "prefill", SuccessKind.PREFILL_HANDOFF)
         self._stats.latency(engine.id, time.perf_counter() - leg_start)
         return result
+
+    async def _decode_leg(
+        self,
+        req: ClientRequest,
+        request: web.Request,
+        deadline: float,
+        attempt: _Attempt,
+        prefill: EngineState,
+        engine: EngineState,
+        handoff: object,
+    ) -> web.StreamResponse:
+        """Let the decode engine take the handoff, then run the final leg on it."""
+        remaining = deadline - self._clock.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded()
+        adapter = self._adapters(engine.config)
+        headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+        limit = min(self._serving.first_token_timeout_s, remaining)
+        async with AsyncExitStack() as stack:
+            try:
+                body = await stack.enter_async_context(
+                    adapter.decode(PoolKind.DATA, engine.config, req.body, handoff, headers, limit)
+                )
+            except HandoffRefused as exc:
+                failure = EngineFailure(FailureClass.KV_HANDOFF, str(exc))
+                raise self._fail(prefill, "prefill", failure) from None
+            except EngineFailure as exc:
+                raise self._fail(engine, "decode", exc) from None
+            except SlotsBusy as exc:
+                raise Saturated(str(exc)) from None
+            return await self._final_leg(
+                req, request, deadline, attempt, engine, body, "decode", producer=prefill
+            )
 
     async def _final_leg(
         self,
@@ -384,7 +424,9 @@ class DataPlane:
         engine: EngineState,
         body: dict[str, Any],
         leg: str,
+        producer: EngineState | None = None,
     ) -> web.StreamResponse:
+        """The leg whose answer goes to the client; `producer` made the handoff it used."""
         data = orjson.dumps(body)
         url = engine.config.url + PATHS[req.endpoint]
         headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
@@ -403,8 +445,22 @@ class DataPlane:
                         engine, leg, reply.status, reply.body, reply.content_type
                     )
                 self._succeed(engine, leg, SuccessKind.DECODE_DONE)
+                self._check_recompute(producer, engine, reply.body)
                 return web.Response(body=reply.body, content_type=reply.content_type)
-            return await self._stream(request, deadline, attempt, engine, url, data, headers, leg)
+            return await self._stream(
+                request, deadline, attempt, engine, url, data, headers, leg, producer
+            )
+
+    def _check_recompute(
+        self, producer: EngineState | None, engine: EngineState, final: bytes | None
+    ) -> None:
+        """A decode that recomputed the prompt answered correctly but hid an unusable
+        handoff: record it against the handoff's producer (DESIGN §1)."""
+        if producer is None:
+            return
+        reason = self._adapters(engine.config).recomputed(final)
+        if reason is not None:
+            self._fail(producer, "prefill", EngineFailure(FailureClass.KV_HANDOFF, reason))
 
     async def _stream(
         self,
@@ -416,6 +472,7 @@ class DataPlane:
         data: bytes,
         headers: dict[str, Any],
         leg: str,
+        producer: EngineState | None,
     ) -> web.StreamResponse:
         """Forward an SSE stream as bytes, with first-token, idle and request deadlines."""
         loop = asyncio.get_running_loop()
@@ -503,6 +560,7 @@ class DataPlane:
             )
             return await self._end_stream(client, attempt, failure)
         self._succeed(engine, leg, SuccessKind.DECODE_DONE)
+        self._check_recompute(producer, engine, scanner.last)
         await client.write_eof()
         return client
 

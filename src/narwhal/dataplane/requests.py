@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
+from narwhal.engine.adapter import Endpoint
 from narwhal.engine.vllm import strip_client_kv_params
-
-Endpoint = Literal["completions", "chat"]
 
 
 class BadRequest(Exception):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 
 class SseScanner:
-    __slots__ = ("_tail", "done", "events", "malformed")
+    __slots__ = ("_tail", "done", "events", "last", "malformed")
 
     def __init__(self) -> None:
         self._tail = b""
         self.done = False
         self.events = 0
+        self.last: bytes | None = None  # the latest data event (usage and timings live there)
         self.malformed = False
 
     def feed(self, chunk: bytes) -> None:
@@ -28,6 +29,7 @@ class SseScanner:
                 continue
             if event.startswith(b"data: {") and event.endswith(b"}"):
                 self.events += 1
+                self.last = event
             elif event == b"data: [DONE]":
                 self.done = True
             elif event.startswith(b":") or not event.strip():

@@ -1,12 +1,29 @@
 """vLLM's NixlConnector PD protocol: the prefill body, the extracted handoff, the decode body.
 
-Pure functions over JSON-shaped dicts, so the wire contract (DESIGN §1) is testable alone.
+Pure functions over JSON-shaped dicts, so the wire contract (DESIGN §1) is testable alone,
+and the adapter that sends them.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
+
+from narwhal.config import EngineConfig
+from narwhal.engine.adapter import (
+    PATHS,
+    Endpoint,
+    FinishedInPrefill,
+    PrefillReply,
+    Unreadable,
+)
+from narwhal.engine.failures import EngineFailure, FailureClass
+from narwhal.engine.transport import EngineClient, PoolKind, control_get
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -34,18 +51,6 @@ class Handoff:
     """A readable handoff, exactly as the prefill engine returned it."""
 
     params: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Unreadable:
-    """The prefill answered, but its handoff cannot be used (a kv_handoff failure)."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedInPrefill:
-    """The prefill's one token ended the request (EOS/stop): a complete answer, no decode."""
 
 
 HandoffResult = Handoff | Unreadable | FinishedInPrefill
@@ -107,3 +112,87 @@ def extract_handoff(response: Any) -> HandoffResult:
     if not 0 < params["remote_port"] < 65536:
         return Unreadable("kv_transfer_params.remote_port out of range")
     return Handoff(dict(params))
+
+
+_START_TIME = re.compile(rb"^process_start_time_seconds\s+([0-9.eE+]+)\s*$", re.M)
+
+
+def parse_generation(metrics_text: bytes) -> float | None:
+    """The process generation: `process_start_time_seconds` from Prometheus text."""
+    match = _START_TIME.search(metrics_text)
+    return float(match[1]) if match else None
+
+
+class VllmAdapter:
+    """vLLM with the NixlConnector: the handoff travels in the decode body; nothing to free."""
+
+    api = "vllm"
+
+    def __init__(self, client: EngineClient, control_timeout_s: float) -> None:
+        self._client = client
+        self._timeout_s = control_timeout_s
+
+    async def prefill(
+        self,
+        pool: PoolKind,
+        engine: EngineConfig,
+        endpoint: Endpoint,
+        client_body: dict[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> PrefillReply:
+        reply = await self._client.post(
+            pool,
+            engine.url + PATHS[endpoint],
+            orjson.dumps(prefill_body(client_body)),
+            headers,
+            timeout_s,
+            timeout_class=FailureClass.STREAM,
+        )
+        if reply.status != 200:
+            return PrefillReply(reply.status, reply.body, reply.content_type)
+        try:
+            parsed = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        return PrefillReply(
+            reply.status, reply.body, reply.content_type, parsed, extract_handoff(parsed)
+        )
+
+    @asynccontextmanager
+    async def decode(
+        self,
+        pool: PoolKind,
+        engine: EngineConfig,
+        client_body: dict[str, Any],
+        handoff: object,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> AsyncIterator[dict[str, Any]]:
+        assert isinstance(handoff, Handoff)
+        yield decode_body(client_body, handoff)
+
+    def unified_body(self, client_body: dict[str, Any]) -> dict[str, Any]:
+        return client_body
+
+    def recomputed(self, final_event: bytes | None) -> str | None:
+        return None  # vLLM reports nothing per request; unreadable handoffs are refused earlier
+
+    async def discard(self, producer: EngineConfig, handoff: object) -> None:
+        return None  # the prefill engine frees unclaimed blocks on its own timeout
+
+    def observe_health(self, engine_id: str, answered: bool) -> None:
+        return None
+
+    async def learn(self, engine: EngineConfig) -> None:
+        return None
+
+    async def generation(self, engine: EngineConfig) -> tuple[float | None, str]:
+        try:
+            reply = await control_get(self._client, engine, "/metrics", self._timeout_s)
+        except EngineFailure as exc:
+            return None, f"cannot read /metrics: {exc.detail}"
+        generation = parse_generation(reply.body)
+        if generation is None:
+            return None, "process_start_time_seconds missing from /metrics"
+        return generation, "process_start_time_seconds"

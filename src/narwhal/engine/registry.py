@@ -1,0 +1,20 @@
+"""One adapter per engine API, shared by the data plane, probes, health and readmission."""
+
+from __future__ import annotations
+
+from narwhal.clock import Clock
+from narwhal.config import EngineConfig
+from narwhal.engine.adapter import Adapter
+from narwhal.engine.llamacpp import LlamaCppAdapter
+from narwhal.engine.transport import EngineClient
+from narwhal.engine.vllm import VllmAdapter
+
+
+class Adapters:
+    def __init__(self, client: EngineClient, clock: Clock, control_timeout_s: float) -> None:
+        self.vllm = VllmAdapter(client, control_timeout_s)
+        self.llamacpp = LlamaCppAdapter(client, clock, control_timeout_s)
+        self._by_api: dict[str, Adapter] = {"vllm": self.vllm, "llamacpp": self.llamacpp}
+
+    def __call__(self, engine: EngineConfig) -> Adapter:
+        return self._by_api[engine.api]
