@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-fast clean system-deps bench bench-quick
+.PHONY: demo demo-real test lint typecheck pytest test-fast clean system-deps bench bench-quick
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/narwhal-serve --demo
+
+# The router in front of one prefill and one decode llama-server (docs/engines.md).
+demo-real: $(STAMP)
+	VENV=$(VENV) scripts/demo-real.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -40,9 +44,9 @@ test: lint typecheck pytest
 
 # Local loop: skips the slow end-to-end scenarios (CI runs everything).
 test-fast: $(STAMP) system-deps
-	$(BIN)/pytest -q -m 'not slow'
+	$(BIN)/pytest -q -m 'not slow and not llama'
 
-# Benchmarks (docs/benchmarks.md): full run (~15 min on 2 cores) and a quick smoke (< 1 min).
+# Benchmarks (docs/benchmarks.md): full run (~17 min on 2 cores, llama suite included) and a quick smoke (< 1 min).
 bench: $(STAMP)
 	$(BIN)/python -m bench --mode full --report docs/benchmarks.md --results bench-results
 

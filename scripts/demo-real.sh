@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `make demo-real`: the router on 127.0.0.1:8080 in front of one prefill and one decode
+# llama-server (Gemma 3 270M on CPU) that hand the KV cache over through slot files.
+# Builds llama-server on first use (scripts/get-llama-server.sh, ~4 min on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+LISTEN="${LISTEN:-127.0.0.1:8080}"
+PREFILL_PORT="${PREFILL_PORT:-8091}"
+DECODE_PORT="${DECODE_PORT:-8092}"
+PARALLEL="${PARALLEL:-2}"
+
+eval "$(PYTHON="$VENV/bin/python" scripts/get-llama-server.sh)"
+state="$PWD/state/demo-real"
+slots="$state/slots"
+mkdir -p "$slots"
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait; }
+trap cleanup EXIT INT TERM
+
+for port in "$PREFILL_PORT" "$DECODE_PORT"; do
+  "$LLAMA_SERVER" -m "$LLAMA_MODEL" --host 127.0.0.1 --port "$port" --alias demo-model \
+    --slot-save-path "$slots" --swa-full -np "$PARALLEL" -c $((2048 * PARALLEL)) \
+    >"$state/llama-$port.log" 2>&1 &
+  pids+=("$!")
+done
+
+cat >"$state/narwhal.yaml" <<YAML
+router_id: demo-real
+listen: "$LISTEN"
+model: demo-model
+engines:
+  - {id: p0, url: "http://127.0.0.1:$PREFILL_PORT", role: prefill, api: llamacpp, slot_save_path: "$slots"}
+  - {id: d0, url: "http://127.0.0.1:$DECODE_PORT", role: decode, api: llamacpp, slot_save_path: "$slots"}
+serving: {request_timeout_s: 120, first_token_timeout_s: 60, stream_idle_timeout_s: 30}
+engine: {probe_timeout_s: 60}
+controller: {monitor_interval_s: 1.0}
+handoff: {path: "$state/handoff.json"}
+YAML
+
+echo "llama-server logs: $state/llama-*.log; config: $state/narwhal.yaml"
+echo "try: curl -s http://$LISTEN/v1/completions -H 'Content-Type: application/json' \\"
+echo "       -d '{\"model\": \"demo-model\", \"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
+echo "     (/ready answers 503 until both servers have loaded the model)"
+"$VENV/bin/narwhal-serve" --config "$state/narwhal.yaml"
