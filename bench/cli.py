@@ -23,7 +23,7 @@ from bench.context import PEER_KINDS, Context, jsonable, load_python, loadavg
 from bench.loadgen.driver import LoadGen
 from bench.modes import MODES
 from bench.report.render import render
-from bench.suites import control, faults, overhead, profile, streams
+from bench.suites import control, faults, llama, overhead, profile, streams
 from bench.tokenizer import write_tokenizer
 from bench.venv import BenchVenv, ensure_venv
 
@@ -34,6 +34,7 @@ SUITES: dict[str, Suite] = {
     "faults": faults.run,
     "control": control.run,
     "profile": profile.run,
+    "llama": llama.run,
 }
 
 
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=sorted(MODES), default="quick")
     p.add_argument("--report", required=True, help="the Markdown report to write")
     p.add_argument("--results", required=True, help="directory for raw JSON results and logs")
-    p.add_argument("--suites", default=",".join(SUITES), help="comma-separated subset")
+    p.add_argument("--suites", help="comma-separated subset (default: the mode's)")
     p.add_argument("--no-peers", action="store_true", help="skip installing and running peers")
     p.add_argument("--scenarios", help="fault scenarios to run (default: the mode's)")
     p.add_argument("--routers", help="routers for the fault suite (default: the mode's)")
@@ -80,7 +81,8 @@ async def _main(args: argparse.Namespace) -> int:
     failed = False
     await loadgen.start()
     try:
-        for name in [s for s in args.suites.split(",") if s]:
+        names = args.suites.split(",") if args.suites else mode.suites
+        for name in [s for s in names if s]:
             t0 = time.monotonic()
             ctx.log(f"suite {name}: start (load average {loadavg()})")
             try:

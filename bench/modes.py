@@ -1,4 +1,4 @@
-"""Run sizes: `quick` (a smoke test, under a minute) and `full` (docs/benchmarks.md, ~15 min)."""
+"""Run sizes: `quick` (a smoke test, under a minute) and `full` (docs/benchmarks.md, ~17 min)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ class Mode:
     control_s: float
     # hot-path profile
     profile_s: float
+    # time to first token on real llama-server processes, PD split vs unified
+    llama_reps: int
+    llama_prompt_words: int
+    llama_tokens: int
+    llama_threads: int
+    # the suites a run without --suites runs
+    suites: tuple[str, ...]
 
 
 ALL_TARGETS = ("direct", "narwhal", "vllm-router", "sglang-router")
@@ -63,6 +70,11 @@ MODES = {
         control_sizes=(16,),
         control_s=2.0,
         profile_s=0.0,
+        llama_reps=2,
+        llama_prompt_words=300,
+        llama_tokens=4,
+        llama_threads=2,
+        suites=("overhead", "streams", "faults", "control", "profile"),
     ),
     "full": Mode(
         name="full",
@@ -83,5 +95,10 @@ MODES = {
         control_sizes=(16, 64, 256),
         control_s=6.0,
         profile_s=6.0,
+        llama_reps=7,
+        llama_prompt_words=1500,
+        llama_tokens=16,
+        llama_threads=2,
+        suites=("overhead", "streams", "faults", "control", "profile", "llama"),
     ),
 }

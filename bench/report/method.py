@@ -24,10 +24,10 @@ def render(doc: dict[str, Any]) -> str:
     return f"""### Running it
 
 ```sh
-make bench          # full mode: this file, raw JSON in bench-results/full.json (~15 min)
+make bench          # full mode: this file, raw JSON in bench-results/full.json (~17 min)
 make bench-quick    # quick mode: bench-results/quick.md (under a minute once set up)
 .venv/bin/python -m bench --mode full --report docs/benchmarks.md --results bench-results \\
-    [--suites overhead,streams,faults,control,profile] [--no-peers]
+    [--suites overhead,streams,faults,control,profile,llama] [--no-peers]
 ```
 
 The first run creates `bench/.venv` and installs the peers there with pip (`vllm-router==0.1.17`,
@@ -43,6 +43,9 @@ to download one.
   `--model <results>/work-*/tokenizer`: a directory holding a tiny word-level `tokenizer.json`.
   The served model name and the `model_path` the sims report are that path, so sglang-router
   loads its tokenizer from disk.
+- **Real engines** (llama suite, full mode only): three `llama-server` processes built by
+  `scripts/get-llama-server.sh` (docs/engines.md), the first use on a machine builds it (~4 min).
+  Their requests come from the orchestrator itself, one at a time, not from the load generator.
 - **Load generator**: `python -m bench.loadgen.worker` in its own process (bench venv, uvloop,
   one aiohttp session, request bodies spliced from pre-encoded bytes), a closed loop of N
   clients bounded by a request count and a duration. Its CPU use is recorded with every run.

@@ -5,7 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.report import control, discussion, faults, method, overhead, profile, streams, targets
+from bench.report import (
+    control,
+    discussion,
+    faults,
+    llama,
+    method,
+    overhead,
+    profile,
+    streams,
+    targets,
+)
 from bench.report.fmt import table
 
 
@@ -34,6 +44,7 @@ SUITES = (
     ("faults", "Goodput under faults", faults.render),
     ("control", "Control-plane cost", control.render),
     ("profile", "Hot-path profile (Narwhal)", profile.render),
+    ("llama", "Real engines: time to first token with and without the PD split", llama.render),
 )
 
 
