@@ -26,6 +26,23 @@ for port in "$PREFILL_PORT" "$DECODE_PORT"; do
   pids+=("$!")
 done
 
+echo "waiting for both llama-servers to load the model ..."
+"$VENV/bin/python" - "$PREFILL_PORT" "$DECODE_PORT" <<'PY'
+import sys, time, urllib.request
+deadline = time.monotonic() + 300
+for port in sys.argv[1:]:
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit(f"llama-server on port {port} not healthy after 300 s; see its log")
+        time.sleep(0.2)
+PY
+
 cat >"$state/narwhal.yaml" <<YAML
 router_id: demo-real
 listen: "$LISTEN"
@@ -42,5 +59,4 @@ YAML
 echo "llama-server logs: $state/llama-*.log; config: $state/narwhal.yaml"
 echo "try: curl -s http://$LISTEN/v1/completions -H 'Content-Type: application/json' \\"
 echo "       -d '{\"model\": \"demo-model\", \"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
-echo "     (/ready answers 503 until both servers have loaded the model)"
 "$VENV/bin/narwhal-serve" --config "$state/narwhal.yaml"

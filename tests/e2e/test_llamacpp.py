@@ -89,12 +89,13 @@ async def leg_outcome(http: aiohttp.ClientSession, rr: RunningRouter, **labels: 
 
 
 async def pd_router(
-    start_router: StartRouter, servers: dict[str, LlamaServer], slot_dir: Path
+    start_router: StartRouter, prefill: LlamaServer, decode: LlamaServer, slot_dir: Path
 ) -> RunningRouter:
+    """A ready router with p1 on `prefill` and d1 on `decode`, both told `slot_dir`."""
     rr = await start_router(
         [
-            engine("p1", servers["prefill"], "prefill", slot_dir),
-            engine("d1", servers["decode"], "decode", slot_dir),
+            engine("p1", prefill, "prefill", slot_dir),
+            engine("d1", decode, "decode", slot_dir),
         ],
         **SECTIONS,
     )
@@ -108,7 +109,7 @@ async def test_pd_split_equals_unified_and_decode_evaluates_only_the_last_prompt
     slot_dir: Path,
     http: aiohttp.ClientSession,
 ) -> None:
-    pd = await pd_router(start_router, servers, slot_dir)
+    pd = await pd_router(start_router, servers["prefill"], servers["decode"], slot_dir)
     unified = await start_router([engine("u1", servers["unified"], "both", None)], **SECTIONS)
 
     status, split = await complete(http, pd, prompt=PROMPT, max_tokens=16)
@@ -133,7 +134,7 @@ async def test_pd_split_equals_unified_and_decode_evaluates_only_the_last_prompt
 async def test_streaming_through_the_openai_client(
     start_router: StartRouter, servers: dict[str, LlamaServer], slot_dir: Path
 ) -> None:
-    rr = await pd_router(start_router, servers, slot_dir)
+    rr = await pd_router(start_router, servers["prefill"], servers["decode"], slot_dir)
     unified = await start_router([engine("u1", servers["unified"], "both", None)], **SECTIONS)
     client = openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="unused", max_retries=0)
     direct = openai.AsyncOpenAI(base_url=unified.url + "/v1", api_key="unused", max_retries=0)
@@ -173,14 +174,7 @@ async def test_missing_slot_file_is_a_kv_handoff_failure_of_the_prefill_engine(
     # saved is missing there, and its restore answers 400.
     elsewhere = LlamaServer(bins, tmp_path / "other-slots").start()
     try:
-        rr = await start_router(
-            [
-                engine("p1", servers["prefill"], "prefill", slot_dir),
-                engine("d1", elsewhere, "decode", slot_dir),
-            ],
-            **SECTIONS,
-        )
-        await eventually(lambda: rr.router.ready() is None, timeout_s=10, what="router ready")
+        rr = await pd_router(start_router, servers["prefill"], elsewhere, slot_dir)
         status, body = await complete(http, rr, prompt=PROMPT, max_tokens=4)
         assert status == 502, body
         assert "kv_handoff" in body["error"]["message"]
@@ -203,14 +197,7 @@ async def test_a_silently_recomputed_handoff_is_a_kv_handoff_failure(
     # Without --swa-full the restore reports success but the server recomputes the prompt.
     no_swa = LlamaServer(bins, slot_dir, swa_full=False).start()
     try:
-        rr = await start_router(
-            [
-                engine("p1", servers["prefill"], "prefill", slot_dir),
-                engine("d1", no_swa, "decode", slot_dir),
-            ],
-            **SECTIONS,
-        )
-        await eventually(lambda: rr.router.ready() is None, timeout_s=10, what="router ready")
+        rr = await pd_router(start_router, servers["prefill"], no_swa, slot_dir)
         status, body = await complete(http, rr, prompt=PROMPT, max_tokens=4)
         assert status == 200, body  # the answer itself is right: the prompt was recomputed
         assert body["timings"]["prompt_n"] == body["usage"]["prompt_tokens"]
