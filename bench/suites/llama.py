@@ -6,7 +6,8 @@ Narwhal (`narwhal-pd`), and a third server that serves whole requests, measured 
 unique head, so no server can reuse a cached prefix, and asks for a few tokens. Requests run
 one at a time, rotating over the targets, so the three are measured side by side under the
 same machine load. TTFT is the time to the first event with text; the final event's
-`timings.prompt_n` shows how many prompt tokens the answering server evaluated.
+`timings.prompt_n` shows how many prompt tokens the answering server evaluated. The handoff's
+own cost (slot save and restore, as the servers time them) is measured on its own.
 """
 
 from __future__ import annotations
@@ -131,6 +132,27 @@ async def _one(http: aiohttp.ClientSession, url: str, prompt: str, tokens: int) 
     }
 
 
+async def _handoff_cost(
+    http: aiohttp.ClientSession, prefill: str, decode: str, slots: Path, prompt: str, i: int
+) -> dict[str, Any]:
+    """The slot-file handoff on its own: save on the prefill server, restore on the decode's."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "id_slot": 0, "cache_prompt": True}
+    async with http.post(prefill + "/v1/completions", json=body) as resp:
+        await resp.read()
+    name = {"filename": f"bench-handoff-{i}.bin"}
+    async with http.post(prefill + "/slots/0?action=save", json=name) as resp:
+        saved = await resp.json()
+    async with http.post(decode + "/slots/0?action=restore", json=name) as resp:
+        restored = await resp.json()
+    (slots / name["filename"]).unlink()
+    return {
+        "save_ms": saved["timings"]["save_ms"],
+        "restore_ms": restored["timings"]["restore_ms"],
+        "file_mb": saved["n_written"] / 1e6,
+        "tokens": saved["n_saved"],
+    }
+
+
 def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [s["ttft_ms"] for s in samples if s["ttft_ms"] is not None]
     return {
@@ -178,6 +200,17 @@ async def run(ctx: Context) -> dict[str, Any]:
                     sample = await _one(http, targets[target], prompt, mode.llama_tokens)
                     samples[target].append(sample)
                 ctx.log(f"llama rep {rep + 1}/{mode.llama_reps} done")
+            handoffs = [
+                await _handoff_cost(
+                    http,
+                    urls["llama-prefill"],
+                    urls["llama-decode"],
+                    slots,
+                    _prompt(20_000 + i, mode.llama_prompt_words),
+                    i,
+                )
+                for i in range(3)
+            ]
         leftover = sorted(p.name for p in slots.iterdir())
     finally:
         for proc in procs:
@@ -189,5 +222,6 @@ async def run(ctx: Context) -> dict[str, Any]:
         "reps": mode.llama_reps,
         "leftover_slot_files": leftover,
         "rows": {t: _summary(s) for t, s in samples.items()},
+        "handoff": {k: statistics.median(h[k] for h in handoffs) for k in handoffs[0]},
         "samples": samples,
     }
