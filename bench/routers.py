@@ -30,6 +30,7 @@ class RouterSpec:
     policy: str = "single_attempt"
     health_interval_s: float | None = None  # peers: None keeps the default
     narwhal: dict[str, Any] = field(default_factory=dict)  # extra Narwhal config sections
+    snapshots: Path | None = None  # Narwhal under tracemalloc, snapshots here (bench.traced)
 
 
 @dataclass(slots=True)
@@ -106,6 +107,8 @@ async def _start(
         config["serving"].setdefault("request_timeout_s", request_timeout_s)
         path = _write_config(work / "state" / spec.name, config)
         argv = [sys.executable, "-m", "narwhal.cli.serve", "--config", str(path)]
+        if spec.snapshots is not None:
+            argv[1:3] = ["-m", "bench.traced", str(spec.snapshots)]
         argv += ["--log-level", "WARNING"]
         ready = "/ready"
     else:

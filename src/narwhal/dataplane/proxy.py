@@ -427,7 +427,6 @@ class DataPlane:
         producer: EngineState | None = None,
     ) -> web.StreamResponse:
         """The leg whose answer goes to the client; `producer` made the handoff it used."""
-        data = orjson.dumps(body)
         url = engine.config.url + PATHS[req.endpoint]
         headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
         self._stats.request(engine.id)
@@ -437,6 +436,7 @@ class DataPlane:
                 if remaining <= 0:
                     raise DeadlineExceeded()
                 try:
+                    data = orjson.dumps(body)
                     reply = await self._client.post(PoolKind.DATA, url, data, headers, remaining)
                 except EngineFailure as exc:
                     raise self._fail(engine, leg, exc) from None
@@ -448,7 +448,7 @@ class DataPlane:
                 self._check_recompute(producer, engine, reply.body)
                 return web.Response(body=reply.body, content_type=reply.content_type)
             return await self._stream(
-                request, deadline, attempt, engine, url, data, headers, leg, producer
+                request, deadline, attempt, engine, url, body, headers, leg, producer
             )
 
     def _check_recompute(
@@ -469,7 +469,7 @@ class DataPlane:
         attempt: _Attempt,
         engine: EngineState,
         url: str,
-        data: bytes,
+        body: dict[str, Any],
         headers: dict[str, Any],
         leg: str,
         producer: EngineState | None,
@@ -491,11 +491,13 @@ class DataPlane:
         try:
             async with asyncio.timeout_at(first_deadline) as timer:
                 try:
-                    resp = await session.post(url, data=data, headers=headers)
+                    # Serialised here and not kept: orjson's output holds a 4 KB buffer,
+                    # which would otherwise stay allocated for the whole stream.
+                    resp = await session.post(url, data=orjson.dumps(body), headers=headers)
                     if resp.status != 200:
-                        body = await resp.read()
+                        answer = await resp.read()
                         raise self._status_failure(
-                            engine, leg, resp.status, body, resp.content_type
+                            engine, leg, resp.status, answer, resp.content_type
                         )
                     while True:
                         timer.reschedule(
