@@ -6,11 +6,13 @@ server and continues the request there. Checked: the PD answer equals a unified 
 temperature 0 and the decode evaluated only the last prompt token; streaming through the
 official `openai` client; slot files are removed; a handoff the decode server cannot read
 (missing file, or silently recomputed without `--swa-full`) is a `kv_handoff` failure of the
-prefill engine; a killed server is ejected and readmitted with a newer generation.
+prefill engine; a decode server with no free slot is the router's saturation (503), not
+evidence against it; a killed server is ejected and readmitted with a newer generation.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -89,7 +91,11 @@ async def leg_outcome(http: aiohttp.ClientSession, rr: RunningRouter, **labels: 
 
 
 async def pd_router(
-    start_router: StartRouter, prefill: LlamaServer, decode: LlamaServer, slot_dir: Path
+    start_router: StartRouter,
+    prefill: LlamaServer,
+    decode: LlamaServer,
+    slot_dir: Path,
+    **sections: Any,
 ) -> RunningRouter:
     """A ready router with p1 on `prefill` and d1 on `decode`, both told `slot_dir`."""
     rr = await start_router(
@@ -97,7 +103,7 @@ async def pd_router(
             engine("p1", prefill, "prefill", slot_dir),
             engine("d1", decode, "decode", slot_dir),
         ],
-        **SECTIONS,
+        **{**SECTIONS, **sections},
     )
     await eventually(lambda: rr.router.ready() is None, timeout_s=10, what="router ready")
     return rr
@@ -205,6 +211,47 @@ async def test_a_silently_recomputed_handoff_is_a_kv_handoff_failure(
         assert await leg_outcome(http, rr, engine="d1", leg="decode", outcome="decode_done") == 1
     finally:
         no_swa.stop()
+
+
+async def test_a_decode_server_out_of_slots_is_saturation_not_an_engine_failure(
+    start_router: StartRouter,
+    servers: dict[str, LlamaServer],
+    bins: LlamaBinaries,
+    slot_dir: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    # llama.cpp restores a slot file only into a server with the same --parallel and
+    # --ctx-size, so this pair runs one slot each.
+    prefill = LlamaServer(bins, slot_dir, parallel=1).start()
+    one_slot = LlamaServer(bins, slot_dir, parallel=1).start()
+    try:
+        serving = {**SECTIONS["serving"], "first_token_timeout_s": 1.0}
+        rr = await pd_router(start_router, prefill, one_slot, slot_dir, serving=serving)
+        d1 = rr.router.fleet.get("d1")
+        long = asyncio.create_task(
+            complete(http, rr, prompt=PROMPT, max_tokens=300, ignore_eos=True)
+        )
+        await eventually(
+            lambda: d1.in_flight == 1 or long.done(), timeout_s=20, what="d1's one slot taken"
+        )
+        assert not long.done(), long.result()
+        async with http.post(
+            rr.url + "/v1/completions",
+            json={"model": "demo-model", "prompt": PROMPT, "max_tokens": 4},
+        ) as resp:
+            assert resp.status == 503
+            assert resp.headers["Retry-After"] == "1"
+            assert "no free slot on d1" in (await resp.json())["error"]["message"]
+        assert not long.done()
+        status, body = await long
+        assert status == 200, body
+        # Waiting for a slot is the router's saturation, never evidence against the engine.
+        assert d1.ejected is None and not d1.active_holds_by_name(rr.router.clock.monotonic())
+        for outcome in ("timeout", "overload", "connection", "inference_status"):
+            assert await leg_outcome(http, rr, engine="d1", outcome=outcome) == 0
+    finally:
+        prefill.stop()
+        one_slot.stop()
 
 
 @pytest.mark.slow

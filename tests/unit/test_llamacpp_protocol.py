@@ -15,9 +15,12 @@ from narwhal.engine.adapter import HandoffRefused, SlotsBusy, Unreadable
 from narwhal.engine.llamacpp import (
     LlamaCppAdapter,
     SlotHandoff,
+    SlotLayout,
     decode_body,
     finished_in_prefill,
+    layout_conflict,
     prefill_body,
+    read_layout,
     recomputed,
     saved_tokens,
 )
@@ -155,6 +158,7 @@ class _ScriptedEngine(EngineClient):
     def __init__(self, replies: dict[str, Reply], on_save: Path | None = None) -> None:
         super().__init__(1, 1)
         self.replies = replies
+        self.props: dict[str, object] = {}  # engine URL -> its /props answer
         self.on_save = on_save
         self.asked: list[tuple[str, dict[str, object]]] = []
 
@@ -164,6 +168,9 @@ class _ScriptedEngine(EngineClient):
         if url.endswith("action=save") and self.on_save is not None:
             (self.on_save / payload["filename"]).write_bytes(b"partial")  # a half-written file
         return next(r for suffix, r in self.replies.items() if url.endswith(suffix))
+
+    async def get(self, pool, url, timeout_s, headers=None):  # type: ignore[no-untyped-def, override]
+        return Reply(200, orjson.dumps(self.props[url.removesuffix("/props")]), "json")
 
 
 def _llama(engine_id: str, role: Role, slot_dir: Path) -> EngineConfig:
@@ -220,3 +227,39 @@ async def test_a_restored_slot_is_held_for_the_decode_and_then_freed(tmp_path: P
                 pass
     assert adapter.slots("d1").busy == 0
     assert fake.asked[0] == ("http://127.0.0.1:1/slots/0?action=restore", {"filename": "f.bin"})
+
+
+def _props(slots: int, n_ctx: int) -> dict[str, object]:
+    return {"total_slots": slots, "default_generation_settings": {"n_ctx": n_ctx}}
+
+
+def test_read_layout() -> None:
+    assert read_layout(_props(2, 2048)) == SlotLayout(2, 2048)
+    assert read_layout({"total_slots": 3}) == SlotLayout(3, None)
+    assert read_layout({"total_slots": 0}) is None
+    assert read_layout({"total_slots": True}) is None
+    assert read_layout([]) is None
+
+
+def test_layouts_must_match_for_slot_files_to_restore() -> None:
+    assert layout_conflict({}) is None
+    assert layout_conflict({"p1": SlotLayout(2, 2048), "d1": SlotLayout(2, 2048)}) is None
+    conflict = layout_conflict({"p1": SlotLayout(2, 2048), "d1": SlotLayout(1, 2048)})
+    assert conflict is not None
+    assert "d1 1 slots x 2048 ctx, p1 2 slots x 2048 ctx" in conflict
+
+
+async def test_learn_sizes_the_slot_pool_and_warns_on_mismatched_layouts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = _ScriptedEngine({})
+    adapter = LlamaCppAdapter(fake, FakeClock(), 1.0)
+    p1, d1 = _llama("p1", Role.PREFILL, tmp_path), _llama("d1", Role.DECODE, tmp_path)
+    d1 = d1.model_copy(update={"url": "http://127.0.0.1:2"})
+    fake.props = {p1.url: _props(4, 2048), d1.url: _props(1, 2048)}
+    await adapter.learn(p1)
+    assert adapter.slots("p1").size == 4
+    assert not caplog.records
+    await adapter.learn(d1)
+    assert adapter.slots("d1").size == 1
+    assert "differ in --parallel or --ctx-size" in caplog.text

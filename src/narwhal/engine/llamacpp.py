@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
@@ -41,6 +42,8 @@ from narwhal.engine.failures import EngineFailure, FailureClass, classify_status
 from narwhal.engine.slots import SlotPool
 from narwhal.engine.transport import EngineClient, PoolKind, control_get
 
+log = logging.getLogger("narwhal.llamacpp")
+
 # Client fields that would steer the engine's slots or KV: the router owns those.
 _ROUTER_OWNED = ("id_slot", "cache_prompt", "kv_transfer_params", "n_predict")
 _STRIPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -52,6 +55,40 @@ class SlotHandoff:
 
     filename: str
     n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """What a slot file's shape depends on: `--parallel` and the context per slot."""
+
+    slots: int
+    ctx_per_slot: int | None
+
+
+def read_layout(props: Any) -> SlotLayout | None:
+    """The layout from a `/props` answer, or None when it does not say."""
+    if not isinstance(props, dict):
+        return None
+    total = props.get("total_slots")
+    if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
+        return None
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return SlotLayout(total, n_ctx if isinstance(n_ctx, int) else None)
+
+
+def layout_conflict(layouts: Mapping[str, SlotLayout]) -> str | None:
+    """Why slot files will not restore across these servers, or None when they can."""
+    if len(set(layouts.values())) <= 1:
+        return None
+    shapes = ", ".join(
+        f"{engine_id} {layout.slots} slots x {layout.ctx_per_slot} ctx"
+        for engine_id, layout in sorted(layouts.items())
+    )
+    return (
+        f"llama.cpp servers differ in --parallel or --ctx-size ({shapes}): a slot file "
+        "restores only into a server with the same layout, so handoffs will be refused"
+    )
 
 
 def clean_body(client_body: dict[str, Any]) -> dict[str, Any]:
@@ -135,6 +172,7 @@ class LlamaCppAdapter:
         self._timeout_s = control_timeout_s
         self._slots: dict[str, SlotPool] = {}
         self._sized: set[str] = set()
+        self.layouts: dict[str, SlotLayout] = {}
         self._answering: dict[str, bool] = {}
         self._generations: dict[str, float] = {}
         self._files = itertools.count()
@@ -263,17 +301,23 @@ class LlamaCppAdapter:
         self._answering[engine_id] = answered
 
     async def learn(self, engine: EngineConfig) -> None:
-        """Size the slot pool from `/props` `total_slots` (once per engine)."""
+        """Size the slot pool from `/props` (once per generation), and warn when the
+        servers' slot layouts differ, since their slot files then cannot be exchanged."""
         if engine.id in self._sized:
             return
         try:
             reply = await control_get(self._client, engine, "/props", self._timeout_s)
-            total = orjson.loads(reply.body).get("total_slots")
-        except (EngineFailure, orjson.JSONDecodeError, AttributeError):
+            layout = read_layout(orjson.loads(reply.body))
+        except (EngineFailure, orjson.JSONDecodeError):
             return
-        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
-            self.slots(engine.id).resize(total)
-            self._sized.add(engine.id)
+        if layout is None:
+            return
+        self.slots(engine.id).resize(layout.slots)
+        self._sized.add(engine.id)
+        self.layouts[engine.id] = layout
+        conflict = layout_conflict(self.layouts)
+        if conflict is not None:
+            log.warning("%s", conflict)
 
     async def generation(self, engine: EngineConfig) -> tuple[float | None, str]:
         generation = self._generations.get(engine.id)
