@@ -48,7 +48,7 @@ from narwhal.engine.failures import (
 )
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
-from narwhal.telemetry.metrics import Metrics
+from narwhal.telemetry.metrics import Children, Metrics
 from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.proxy")
@@ -115,6 +115,12 @@ class DataPlane:
         self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         metrics.pool_limit.labels("data").set(config.serving.max_connections)
         metrics.pool_limit.labels("control").set(config.engine.control_connections)
+        self._requests = Children(metrics.requests)
+        self._latency = Children(metrics.total_latency)
+        self._in_use = metrics.pool_in_use.labels("data")
+        self._token_checks = Children(metrics.token_checks)
+        self._engine_in_flight = Children(metrics.in_flight)
+        self._leg_outcomes = Children(metrics.leg_outcomes)
 
     # ---------------------------------------------------------------- entry point
     async def handle(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
@@ -129,8 +135,8 @@ class DataPlane:
             raise
         finally:
             elapsed = self._clock.monotonic() - start
-            self._metrics.requests.labels(endpoint, outcome).inc()
-            self._metrics.total_latency.labels(endpoint).observe(elapsed)
+            self._requests(endpoint, outcome).inc()
+            self._latency(endpoint).observe(elapsed)
             self._timeline.request(outcome, elapsed)
 
     async def _handle(
@@ -173,12 +179,12 @@ class DataPlane:
             )
         finally:
             self._metrics.queue_depth.set(self.pool.waiting)
-        self._metrics.pool_in_use.labels("data").set(self.pool.in_use)
+        self._in_use.set(self.pool.in_use)
         try:
             return await self._serve(req, request, deadline)
         finally:
             self.pool.release()
-            self._metrics.pool_in_use.labels("data").set(self.pool.in_use)
+            self._in_use.set(self.pool.in_use)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self._serving.max_body_bytes
@@ -267,7 +273,7 @@ class DataPlane:
                 return None
 
         result = await self._tokens.check(req, min(limits) if limits else None, count)
-        self._metrics.token_checks.labels(result.verdict.value).inc()
+        self._token_checks(result.verdict.value).inc()
 
     # ---------------------------------------------------------------- one attempt
     def _place(self, role: Role, tried: set[str]) -> EngineState:
@@ -283,20 +289,20 @@ class DataPlane:
     @contextmanager
     def _in_flight(self, engine: EngineState) -> Iterator[None]:
         engine.in_flight += 1
-        self._metrics.in_flight.labels(engine.id).set(engine.in_flight)
+        self._engine_in_flight(engine.id).set(engine.in_flight)
         try:
             yield
         finally:
             engine.in_flight -= 1
-            self._metrics.in_flight.labels(engine.id).set(engine.in_flight)
+            self._engine_in_flight(engine.id).set(engine.in_flight)
 
     def _fail(self, engine: EngineState, leg: str, failure: EngineFailure) -> EngineFailure:
-        self._metrics.leg_outcomes.labels(engine.id, leg, failure.failure_class.value).inc()
+        self._leg_outcomes(engine.id, leg, failure.failure_class.value).inc()
         self._evidence.failure(engine.id, failure, leg)
         return failure
 
     def _succeed(self, engine: EngineState, leg: str, kind: SuccessKind) -> None:
-        self._metrics.leg_outcomes.labels(engine.id, leg, kind.value).inc()
+        self._leg_outcomes(engine.id, leg, kind.value).inc()
         self._evidence.success(engine.id, kind, leg)
 
     def _status_failure(

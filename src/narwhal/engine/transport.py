@@ -76,6 +76,7 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=None),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
+                cookie_jar=aiohttp.DummyCookieJar(),  # engines' cookies are never sent back
             )
 
     async def close(self) -> None:

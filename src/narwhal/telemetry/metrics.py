@@ -5,7 +5,12 @@ Names and labels are a contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS_S = (
     0.001,
@@ -24,6 +29,22 @@ _LATENCY_BUCKETS_S = (
     30.0,
     60.0,
 )
+
+
+class Children(Generic[M]):
+    """A metric's label children, looked up once: `labels()` validates its arguments and
+    takes a lock on every call, which the request path would pay about ten times a request.
+    Label sets are never removed from Narwhal's metrics, so a cached child never goes stale."""
+
+    def __init__(self, metric: M) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class Metrics:
