@@ -13,6 +13,7 @@ evidence against it; a killed server is ejected and readmitted with a newer gene
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,15 @@ async def leg_outcome(http: aiohttp.ClientSession, rr: RunningRouter, **labels: 
     return 0.0
 
 
+async def slot_files_removed(slot_dir: Path) -> None:
+    """Every slot file was used once and removed (the names say which request left one)."""
+    try:
+        await eventually(lambda: not any(slot_dir.iterdir()), timeout_s=5, what="no slot files")
+    except AssertionError:
+        left = sorted(await asyncio.to_thread(os.listdir, slot_dir))
+        raise AssertionError(f"slot files left: {left}") from None
+
+
 async def pd_router(
     start_router: StartRouter,
     prefill: LlamaServer,
@@ -134,7 +144,7 @@ async def test_pd_split_equals_unified_and_decode_evaluates_only_the_last_prompt
     assert whole["timings"]["prompt_n"] + whole["timings"]["cache_n"] == prompt_tokens
     assert await leg_outcome(http, pd, engine="p1", leg="prefill", outcome="kv_handoff") == 0
     # The slot file was used once and removed.
-    await eventually(lambda: not list(slot_dir.iterdir()), timeout_s=5, what="slot files removed")
+    await slot_files_removed(slot_dir)
 
 
 async def test_streaming_through_the_openai_client(
@@ -165,7 +175,7 @@ async def test_streaming_through_the_openai_client(
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content.strip()
     assert chunks[-1].choices[0].finish_reason == "length"
-    await eventually(lambda: not list(slot_dir.iterdir()), timeout_s=5, what="slot files removed")
+    await slot_files_removed(slot_dir)
 
 
 async def test_missing_slot_file_is_a_kv_handoff_failure_of_the_prefill_engine(
@@ -188,7 +198,7 @@ async def test_missing_slot_file_is_a_kv_handoff_failure_of_the_prefill_engine(
         assert await leg_outcome(http, rr, engine="p1", leg="prefill", outcome="kv_handoff") == 1
         assert await leg_outcome(http, rr, engine="d1", leg="decode", outcome="connection") == 0
         # The unusable file was still removed from the shared directory.
-        await eventually(lambda: not list(slot_dir.iterdir()), timeout_s=5, what="cleanup")
+        await slot_files_removed(slot_dir)
     finally:
         elsewhere.stop()
 

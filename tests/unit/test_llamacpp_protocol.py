@@ -3,7 +3,10 @@ the generation it derives from health answers (docs/engines.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -25,6 +28,7 @@ from narwhal.engine.llamacpp import (
     saved_tokens,
 )
 from narwhal.engine.transport import EngineClient, PoolKind, Reply
+from tests.support.poll import eventually
 
 CLIENT = {
     "model": "demo-model",
@@ -263,3 +267,23 @@ async def test_learn_sizes_the_slot_pool_and_warns_on_mismatched_layouts(
     await adapter.learn(d1)
     assert adapter.slots("d1").size == 1
     assert "differ in --parallel or --ctx-size" in caplog.text
+
+
+async def test_a_cancelled_discard_still_removes_the_file(tmp_path: Path) -> None:
+    """Requests are cancelled when their client goes away, often while discarding: the file
+    must go even when the unlink job is still queued behind other work at that moment."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    release = threading.Event()
+    busy = loop.run_in_executor(None, release.wait)  # the only worker is taken
+    (tmp_path / "r1-0.bin").write_bytes(b"kv")
+    adapter = LlamaCppAdapter(_ScriptedEngine({}), FakeClock(), 1.0)
+    p1 = _llama("p1", Role.PREFILL, tmp_path)
+    discarding = asyncio.create_task(adapter.discard(p1, SlotHandoff("r1-0.bin", 9)))
+    await asyncio.sleep(0)  # the unlink job is queued
+    discarding.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await discarding
+    release.set()
+    await busy
+    await eventually(lambda: not os.listdir(tmp_path), what="the slot file removed")

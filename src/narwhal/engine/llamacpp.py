@@ -163,6 +163,11 @@ def _message(body: bytes) -> str:
         return body[:200].decode("utf-8", "replace")
 
 
+async def _unlink(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        await asyncio.to_thread(os.unlink, path)
+
+
 class LlamaCppAdapter:
     api = "llamacpp"
 
@@ -226,13 +231,17 @@ class LlamaCppAdapter:
                 return PrefillReply(status, body, content_type, parsed, FinishedInPrefill())
             request_id = str(headers.get("X-Request-Id") or "narwhal")
             filename = f"{request_id}-{next(self._files)}.bin"
-            save_status, save_body, _ = await self._post(
-                pool,
-                f"{engine.url}/slots/{slot}?action=save",
-                {"filename": filename},
-                headers,
-                max(0.0, deadline - self._clock.monotonic()),
-            )
+            try:
+                save_status, save_body, _ = await self._post(
+                    pool,
+                    f"{engine.url}/slots/{slot}?action=save",
+                    {"filename": filename},
+                    headers,
+                    max(0.0, deadline - self._clock.monotonic()),
+                )
+            except BaseException:  # cancelled or failed mid-save: the file may exist anyway
+                await self.discard(engine, SlotHandoff(filename, 0))
+                raise
             n = saved_tokens(save_status, save_body)
             if isinstance(n, Unreadable):
                 await self.discard(engine, SlotHandoff(filename, 0))  # a partial file, if any
@@ -285,12 +294,15 @@ class LlamaCppAdapter:
         return recomputed(final_event)
 
     async def discard(self, producer: EngineConfig, handoff: object) -> None:
-        """Remove the slot file, when the router can see the engines' slot directory."""
+        """Remove the slot file, when the router can see the engines' slot directory.
+
+        Shielded: discard runs in `finally` blocks of requests that are often being cancelled
+        (the client went away), and a cancelled `to_thread` whose job had not yet started
+        would never run it. The unlink itself runs in a thread: the shared slot directory is
+        often a network file system."""
         if not isinstance(handoff, SlotHandoff) or producer.slot_save_path is None:
             return
-        path = Path(producer.slot_save_path) / handoff.filename
-        with suppress(FileNotFoundError):
-            await asyncio.to_thread(os.unlink, path)
+        await asyncio.shield(_unlink(Path(producer.slot_save_path) / handoff.filename))
 
     def observe_health(self, engine_id: str, answered: bool) -> None:
         """A new generation starts when an engine answers after silence (or for the first time)."""
