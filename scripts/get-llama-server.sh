@@ -12,7 +12,13 @@ MODEL_DIR="$CACHE/models"
 MODEL="$MODEL_DIR/gemma-3-270m-q4_k_m.gguf"
 
 if [ ! -x "$BIN" ]; then
-  command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
+  missing=""
+  command -v cmake >/dev/null || missing="$missing cmake"
+  command -v c++ >/dev/null || missing="$missing g++"
+  command -v make >/dev/null || missing="$missing make"
+  if [ -n "$missing" ]; then  # Debian, as root (CI); elsewhere install them yourself
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >&2
+  fi
   work="$(mktemp -d "$CACHE/build.XXXXXX")"
   trap 'rm -rf "$work"' EXIT
   # The sdist straight from PyPI's JSON API, checked against its sha256 (`pip download`
