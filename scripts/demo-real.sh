@@ -11,7 +11,7 @@ DECODE_PORT="${DECODE_PORT:-8092}"
 PARALLEL="${PARALLEL:-2}"
 
 eval "$(PYTHON="$VENV/bin/python" scripts/get-llama-server.sh)"
-state="$PWD/state/demo-real"
+state="${STATE:-$PWD/state/demo-real}"   # config, logs, handoff and the shared slot directory
 slots="$state/slots"
 mkdir -p "$slots"
 
