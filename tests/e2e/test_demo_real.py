@@ -15,16 +15,11 @@ import aiohttp
 import openai
 import pytest
 
+from tests.support.etcd import free_port
 from tests.support.llama import REPO, llama_binaries
 from tests.support.poll import eventually
 
 pytestmark = pytest.mark.llama
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -34,7 +29,7 @@ def _listening(port: int) -> bool:
 
 async def test_demo_real_serves_a_pd_completion_and_stops_on_sigint(tmp_path: Path) -> None:
     await asyncio.to_thread(llama_binaries)  # built once per machine, before the clock starts
-    router, prefill, decode = _free_port(), _free_port(), _free_port()
+    router, prefill, decode = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{router}"
     env = {
         **os.environ,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.etcd import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_ALIAS = "demo-model"
@@ -38,12 +39,6 @@ def llama_binaries() -> LlamaBinaries:
     ).stdout
     paths = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     return LlamaBinaries(Path(paths["LLAMA_SERVER"]), Path(paths["LLAMA_MODEL"]))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LlamaServer:

@@ -51,8 +51,6 @@ class SlotsBusy(Exception):
 
 
 class Adapter(Protocol):
-    api: str
-
     async def prefill(
         self,
         pool: PoolKind,

@@ -169,15 +169,13 @@ async def _unlink(path: Path) -> None:
 
 
 class LlamaCppAdapter:
-    api = "llamacpp"
-
     def __init__(self, client: EngineClient, clock: Clock, control_timeout_s: float) -> None:
         self._client = client
         self._clock = clock
         self._timeout_s = control_timeout_s
         self._slots: dict[str, SlotPool] = {}
         self._sized: set[str] = set()
-        self.layouts: dict[str, SlotLayout] = {}
+        self._layouts: dict[str, SlotLayout] = {}
         self._answering: dict[str, bool] = {}
         self._generations: dict[str, float] = {}
         self._files = itertools.count()
@@ -326,8 +324,8 @@ class LlamaCppAdapter:
             return
         self.slots(engine.id).resize(layout.slots)
         self._sized.add(engine.id)
-        self.layouts[engine.id] = layout
-        conflict = layout_conflict(self.layouts)
+        self._layouts[engine.id] = layout
+        conflict = layout_conflict(self._layouts)
         if conflict is not None:
             log.warning("%s", conflict)
 

@@ -12,9 +12,10 @@ from narwhal.engine.vllm import VllmAdapter
 
 class Adapters:
     def __init__(self, client: EngineClient, clock: Clock, control_timeout_s: float) -> None:
-        self.vllm = VllmAdapter(client, control_timeout_s)
-        self.llamacpp = LlamaCppAdapter(client, clock, control_timeout_s)
-        self._by_api: dict[str, Adapter] = {"vllm": self.vllm, "llamacpp": self.llamacpp}
+        self._by_api: dict[str, Adapter] = {
+            "vllm": VllmAdapter(client, control_timeout_s),
+            "llamacpp": LlamaCppAdapter(client, clock, control_timeout_s),
+        }
 
     def __call__(self, engine: EngineConfig) -> Adapter:
         return self._by_api[engine.api]

@@ -126,8 +126,6 @@ def parse_generation(metrics_text: bytes) -> float | None:
 class VllmAdapter:
     """vLLM with the NixlConnector: the handoff travels in the decode body; nothing to free."""
 
-    api = "vllm"
-
     def __init__(self, client: EngineClient, control_timeout_s: float) -> None:
         self._client = client
         self._timeout_s = control_timeout_s
