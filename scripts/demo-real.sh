@@ -16,7 +16,20 @@ slots="$state/slots"
 mkdir -p "$slots"
 
 pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait; }
+# Stop the servers: SIGTERM, then SIGKILL after 5 s (an idle llama-server has been seen to
+# ignore a lone SIGTERM).
+cleanup() {
+  trap - EXIT INT TERM
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    alive=""
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ -z "$alive" ] && break
+    sleep 0.1
+  done
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  wait
+}
 trap cleanup EXIT INT TERM
 
 for port in "$PREFILL_PORT" "$DECODE_PORT"; do
