@@ -223,6 +223,24 @@ async def test_body_at_the_limit_is_served(
         assert resp.status == 200, await resp.read()
 
 
+async def test_body_of_many_chunks_is_read_whole(
+    sims: Sims, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """A 3 MB body (JSON whitespace around a short prompt) reaches the router in many socket
+    reads; it is served, not cut at the first read and refused as invalid JSON."""
+    router = await start_router(
+        [{"id": "p0", "url": sims.prefill.url, "role": "prefill"},
+         {"id": "d0", "url": sims.decode.url, "role": "decode"}],
+        recovery={"eject_after": 100},
+    )  # fmt: skip
+    raw = _j({"model": MODEL, "prompt": "ab " * 10, "max_tokens": 2})
+    padded = raw[:-1] + b" " * 3_000_000 + b"}"
+    async with http.post(
+        router.url + C, data=padded, headers={"Content-Type": "application/json"}
+    ) as resp:
+        assert resp.status == 200, await resp.read()
+
+
 # ------------------------------------------------------------------- token counting
 
 

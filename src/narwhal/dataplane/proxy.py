@@ -187,13 +187,18 @@ class DataPlane:
             self._in_use.set(self.pool.in_use)
 
     async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, which may arrive in many chunks, up to `max_body_bytes`."""
         limit = self._serving.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise BadRequest(413, f"request body exceeds {limit} bytes")
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
-            raise BadRequest(413, f"request body exceeds {limit} bytes")
-        return raw
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # ---------------------------------------------------------------- policy
     async def _serve(
