@@ -7,6 +7,7 @@ in one task group; shutdown is cancellation.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -104,7 +105,7 @@ class Router:
             self.metrics,
             self.clock,
             self.admission,
-            new_request_id or (lambda: f"narwhal-{uuid.uuid4().hex}"),
+            new_request_id or _request_ids(),
             self.adapters,
             stats=self.stats,
             timeline=self.timeline,
@@ -411,3 +412,11 @@ class Router:
                 await self.ownership.keeper.store.close()
             await runner.cleanup()
             await self.client.close()
+
+
+def _request_ids() -> Callable[[], str]:
+    """`narwhal-<random per process>-<n>`: unique across restarts and routers sharing engines,
+    without a uuid4 (a getrandom system call) on every request."""
+    prefix = uuid.uuid4().hex[:16]
+    ids = itertools.count(1)
+    return lambda: f"narwhal-{prefix}-{next(ids)}"

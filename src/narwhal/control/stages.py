@@ -174,7 +174,6 @@ class SmallStages:
             for name in HoldName:
                 active = name in engine.holds and not engine.holds[name].expired(now)
                 self._metrics.holds_active.labels(engine.id, name.value).set(int(active))
-            self._metrics.in_flight.labels(engine.id).set(engine.in_flight)
             for cls, streak in engine.evidence.items():
                 self._metrics.evidence_streak.labels(engine.id, cls.value).set(streak)
             self._metrics.engine_eligible.labels(engine.id).set(

@@ -31,6 +31,7 @@ from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
 from narwhal.dataplane.sse import SseScanner
 from narwhal.dataplane.tokens import TokenBudget
+from narwhal.dataplane.watchdog import ReadWatchdog
 from narwhal.engine.adapter import (
     PATHS,
     Endpoint,
@@ -115,11 +116,14 @@ class DataPlane:
         self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         metrics.pool_limit.labels("data").set(config.serving.max_connections)
         metrics.pool_limit.labels("control").set(config.engine.control_connections)
+        # Live gauges, read when /metrics is scraped, instead of a set() per request and leg.
+        metrics.pool_in_use.labels("data").set_function(lambda: self.pool.in_use)
+        metrics.queue_depth.set_function(lambda: self.pool.waiting)
+        for engine in fleet:
+            metrics.in_flight.labels(engine.id).set_function(_in_flight_of(engine))
         self._requests = Children(metrics.requests)
         self._latency = Children(metrics.total_latency)
-        self._in_use = metrics.pool_in_use.labels("data")
         self._token_checks = Children(metrics.token_checks)
-        self._engine_in_flight = Children(metrics.in_flight)
         self._leg_outcomes = Children(metrics.leg_outcomes)
 
     # ---------------------------------------------------------------- entry point
@@ -161,7 +165,6 @@ class DataPlane:
         bounded = self._serving.policy == "bounded"
         try:
             if bounded:
-                self._metrics.queue_depth.set(self.pool.waiting + 1)
                 await self.pool.acquire(
                     deadline - self._clock.monotonic(), self._serving.queue_limit
                 )
@@ -177,14 +180,10 @@ class DataPlane:
                 ),
                 "saturated",
             )
-        finally:
-            self._metrics.queue_depth.set(self.pool.waiting)
-        self._in_use.set(self.pool.in_use)
         try:
             return await self._serve(req, request, deadline)
         finally:
             self.pool.release()
-            self._in_use.set(self.pool.in_use)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body, which may arrive in many chunks, up to `max_body_bytes`."""
@@ -294,12 +293,10 @@ class DataPlane:
     @contextmanager
     def _in_flight(self, engine: EngineState) -> Iterator[None]:
         engine.in_flight += 1
-        self._engine_in_flight(engine.id).set(engine.in_flight)
         try:
             yield
         finally:
             engine.in_flight -= 1
-            self._engine_in_flight(engine.id).set(engine.in_flight)
 
     def _fail(self, engine: EngineState, leg: str, failure: EngineFailure) -> EngineFailure:
         self._leg_outcomes(engine.id, leg, failure.failure_class.value).inc()
@@ -500,8 +497,10 @@ class DataPlane:
         session = self._client.session(PoolKind.DATA)
         resp: aiohttp.ClientResponse | None = None
         try:
-            async with asyncio.timeout_at(first_deadline) as timer:
+            async with asyncio.timeout_at(None) as timer:
+                watch = ReadWatchdog(loop, timer, first_deadline, request_deadline, idle_s)
                 try:
+                    watch.reading()
                     # Serialised here and not kept: orjson's output holds a 4 KB buffer,
                     # which would otherwise stay allocated for the whole stream.
                     resp = await session.post(url, data=orjson.dumps(body), headers=headers)
@@ -511,13 +510,9 @@ class DataPlane:
                             engine, leg, resp.status, answer, resp.content_type
                         )
                     while True:
-                        timer.reschedule(
-                            first_deadline
-                            if not attempt.started
-                            else min(loop.time() + idle_s, request_deadline)
-                        )
+                        watch.reading()
                         chunk = await resp.content.readany()
-                        timer.reschedule(None)
+                        watch.writing()
                         if not chunk:
                             break
                         scanner.feed(chunk)
@@ -532,6 +527,7 @@ class DataPlane:
                             if not attempt.started:
                                 await client.prepare(request)
                                 attempt.started = True
+                                watch.started()
                                 self._stats.latency(engine.id, now - leg_start)
                                 self._metrics.ttft.observe(
                                     self._clock.monotonic()
@@ -548,6 +544,8 @@ class DataPlane:
                     raise self._fail(
                         engine, leg, classify_exception(exc, FailureClass.STREAM)
                     ) from None
+                finally:
+                    watch.close()
         except TimeoutError:
             if loop.time() >= request_deadline - 1e-3 and attempt.started:
                 failure: Exception = DeadlineExceeded()
@@ -590,6 +588,10 @@ class DataPlane:
         except _CLIENT_GONE:
             pass
         return _tag(client, "upstream_error_midstream")
+
+
+def _in_flight_of(engine: EngineState) -> Callable[[], float]:
+    return lambda: engine.in_flight
 
 
 def _tag(response: web.StreamResponse, outcome: str) -> web.StreamResponse:
