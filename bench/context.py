@@ -20,9 +20,10 @@ CLIENT_GRACE_S = 2.0
 
 
 def router_spec(name: str) -> RouterSpec:
-    """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `direct`."""
-    if name == "direct":
-        return RouterSpec(name, "direct")
+    """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `floor`
+    (bench.floor: the HTTP stack's own cost), `direct`."""
+    if name in ("direct", "floor"):
+        return RouterSpec(name, name)
     if name.startswith("narwhal"):
         policy = "bounded" if name.endswith("bounded") else "single_attempt"
         return RouterSpec(name, "narwhal", policy=policy)

@@ -13,6 +13,7 @@ class Mode:
     concurrency: tuple[int, ...]
     run_s: float
     reps: int
+    paired_s: float  # c=1 paired latency run, per stream mode
     # many-streams suite
     streams_targets: tuple[str, ...]
     streams: int
@@ -39,7 +40,7 @@ class Mode:
     suites: tuple[str, ...]
 
 
-ALL_TARGETS = ("direct", "narwhal", "vllm-router", "sglang-router")
+ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
 ALL_FAULTS = ("decode_killed", "prefill_5xx", "stall_mid_stream", "handoff_garbage", "frozen")
 ALL_FAULT_ROUTERS = (
     "narwhal",
@@ -57,7 +58,8 @@ MODES = {
         concurrency=(1, 64),
         run_s=0.6,
         reps=1,
-        streams_targets=("direct", "narwhal"),
+        paired_s=3.0,
+        streams_targets=("direct", "floor", "narwhal"),
         streams=100,
         streams_run_s=1.5,
         streams_ramp_s=0.3,
@@ -82,6 +84,7 @@ MODES = {
         concurrency=(1, 16, 64, 256),
         run_s=1.5,
         reps=3,
+        paired_s=30.0,
         streams_targets=ALL_TARGETS,
         streams=1000,
         streams_run_s=8.0,

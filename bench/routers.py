@@ -23,7 +23,7 @@ BOOTSTRAP_PORT = "8998"  # SGLang's KV bootstrap port: announced to engines, nev
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
-    """A router variant. `kind` is narwhal, vllm-router, sglang-router or direct."""
+    """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor or direct."""
 
     name: str
     kind: str
@@ -102,7 +102,13 @@ async def _start(
     url = f"http://127.0.0.1:{port}"
     log_dir = work / "logs"
     config: dict[str, Any] | None = None
-    if spec.kind == "narwhal":
+    if spec.kind == "floor":
+        argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
+        argv += ["--prefill", engines.prefill[0]]
+        for u in engines.decode:
+            argv += ["--decode", u]
+        ready = "/health"
+    elif spec.kind == "narwhal":
         config = narwhal_config(spec, engines, port, work / "state" / spec.name)
         config["serving"].setdefault("request_timeout_s", request_timeout_s)
         path = _write_config(work / "state" / spec.name, config)

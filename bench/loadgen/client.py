@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import re
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -54,6 +56,11 @@ def _error_reason(chunk: bytes) -> str:
     text = match[1].decode(errors="replace") if match else ""
     text = ": ".join(text.split(": ")[:2])  # e.g. "upstream failure (stream): mid-stream ..."
     return "error_event: " + re.sub(r"\d+", "N", text).strip()
+
+
+def _median_diff_ms(mine: list[float], base: list[float]) -> float:
+    diffs = [(a - b) * 1000 for a, b in zip(mine, base, strict=True)]
+    return statistics.median(diffs) if diffs else math.nan
 
 
 class Failed(Exception):
@@ -111,6 +118,53 @@ class Client:
         result.gap_ms = tally.gaps.summary()
         span = tally.window[1] - tally.window[0]
         result.steady_chunks_per_s = tally.window_chunks / span if span > 0 else 0.0
+        return result
+
+    async def paired(self, spec: RunSpec) -> RunResult:
+        """Rounds of one request per target in `spec.paired`, in rotated order, one at a time."""
+        session = await self.session()
+        bodies = Bodies(spec)
+        targets = list(spec.paired)
+        tallies = [_Tally() for _ in targets]
+        results = [RunResult(t) for t in targets]
+        rows: list[list[float]] = []  # per complete round: latency per target
+        result = RunResult(spec.name)
+        result.t_start = time.monotonic()
+        end = result.t_start + spec.duration_s
+        n = 0
+        while time.monotonic() < end and n < spec.max_requests:
+            warm = n < spec.warmup_requests
+            round_ = [math.nan] * len(targets)
+            for k in range(len(targets)):
+                j = (n + k) % len(targets)
+                one = replace(spec, target="router" if targets[j] else "direct", url=targets[j])
+                tally = _Tally() if warm else tallies[j]
+                into = RunResult("warmup") if warm else results[j]
+                ok = into.ok
+                i = next(self._counter)
+                await self._one(one, session, bodies, i, spec.stream == "yes", into, tally)
+                if into.ok > ok and not warm:
+                    round_[j] = tally.latencies[-1]
+            if not warm and not any(math.isnan(x) for x in round_):
+                rows.append(round_)
+            n += 1
+        result.t_end = time.monotonic()
+        for j, target in enumerate(targets):
+            base = [r[0] for r in rows]
+            mine = [r[j] for r in rows]
+            result.ok += results[j].ok
+            for reason, count in results[j].failed.items():
+                result.failed[reason] = result.failed.get(reason, 0) + count
+            result.paired.append(
+                {
+                    "target": target,
+                    "rounds": len(rows),
+                    "latency_ms": summary(x * 1000 for x in mine),
+                    "ttft_ms": summary(x * 1000 for x in tallies[j].ttfts),
+                    "failed": results[j].failures,
+                    "diff_p50_ms": _median_diff_ms(mine, base),
+                }
+            )
         return result
 
     async def _loop(

@@ -33,6 +33,9 @@ class RunSpec:
     warmup_requests: int = 0
     records: bool = False  # return every request's (start, end, outcome)
     stall_ms: float = 1000.0  # a gap between two chunks of one stream longer than this stalls
+    # Paired (c=1): each round sends one request to each of these ("" = direct) in rotated
+    # order, so slow drift in the machine's speed hits every target alike.
+    paired: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,6 +45,7 @@ class RunSpec:
         doc = dict(doc)
         doc["prefill"] = tuple(doc.get("prefill", ()))
         doc["decode"] = tuple(doc.get("decode", ()))
+        doc["paired"] = tuple(doc.get("paired", ()))
         return cls(**doc)
 
 
@@ -63,6 +67,9 @@ class RunResult:
     peak_in_flight: int = 0
     client_cpu_s: float = 0.0
     records: list[tuple[float, float, str, int]] = field(default_factory=list)
+    # paired runs: per entry of spec.paired, latency and TTFT summaries, and the median of the
+    # per-round differences to the first entry
+    paired: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def elapsed_s(self) -> float:

@@ -25,7 +25,8 @@ async def serve() -> None:
             command = json.loads(line)
             answer: dict[str, Any] = {"ok": True}
             if command["cmd"] == "run":
-                result = await client.run(RunSpec.from_json(command["spec"]))
+                spec = RunSpec.from_json(command["spec"])
+                result = await (client.paired(spec) if spec.paired else client.run(spec))
                 answer = {"result": result.to_json()}
             elif command["cmd"] == "reset":
                 await client.close()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report.overhead import point
+from bench.report.fmt import is_peer
+from bench.report.overhead import paired_added, point
 
 BEHIND = 0.05  # report gaps over 5 %
 _WRAPPERS = {  # request-handler frames that contain everything else
@@ -18,7 +19,7 @@ _WRAPPERS = {  # request-handler frames that contain everything else
 
 def _overhead(o: dict[str, Any]) -> list[str]:
     out = []
-    peers = [t for t in o.get("targets", []) if t not in ("direct", "narwhal")]
+    peers = [t for t in o.get("targets", []) if is_peer(t)]
     cs = sorted({p["c"] for p in o.get("medians", [])})
     for stream, label in (("no", "non-streaming"), ("yes", "streaming")):
         for peer in peers:
@@ -48,7 +49,7 @@ def _streams(s: dict[str, Any]) -> list[str]:
         return []
     out = []
     for peer, q in rows.items():
-        if peer in ("narwhal", "direct"):
+        if not is_peer(peer):
             continue
         if n["steady_chunks_per_s"] < q["steady_chunks_per_s"] * (1 - BEHIND):
             out.append(
@@ -108,6 +109,29 @@ def _control(c: dict[str, Any], interval_s: float) -> list[str]:
     ]
 
 
+def _why_latency(o: dict[str, Any]) -> str:
+    added, floor = paired_added(o, "narwhal"), paired_added(o, "floor")
+    if added is None or floor is None:
+        return ""
+    peer = paired_added(o, "vllm-router")
+    rust = f" (vllm-router, in Rust, adds {peer:.2f} ms in the same run)" if peer else ""
+    verdict = (
+        "The floor alone is at or over the 1 ms target: on this machine no router on this "
+        "stack can meet it, and Narwhal's own work is what is left to cut."
+        if floor >= 1
+        else "Narwhal's own work is what puts it over the target."
+    )
+    return (
+        f"Latency at c=1: in the paired run Narwhal adds {added:.2f} ms over the direct PD round "
+        f"trip, and the floor (`bench/floor.py`: the same aiohttp stack relaying both legs with "
+        f"no logic at all) adds {floor:.2f} ms: one more HTTP hop in Python, with its two "
+        f"process wake-ups over loopback{rust}. Narwhal's own work — validating the body, "
+        "placement, deadlines, handoff validation, evidence and metrics — is the remaining "
+        f"{added - floor:.2f} ms; at c=1 the process sleeps between requests, so all of that "
+        f"code runs with cold caches, several times slower than under load. {verdict}"
+    )
+
+
 def _why_streams(s: dict[str, Any]) -> str:
     rows = {r["target"]: r for r in s.get("rows", [])}
     n = rows.get("narwhal")
@@ -131,7 +155,22 @@ def _why_streams(s: dict[str, Any]) -> str:
         "`StreamReader` and buffers, the handler task and its coroutine frames; "
         f"{n['memory_per_stream_kb'] or 0:.0f} KB per stream here against the target's 20 KB "
         "(the peers, which keep larger pools and caches, use more in total)."
+        + _why_floor(n, rows.get("floor"))
         + _why_memory(s.get("attribution"))
+    )
+
+
+def _why_floor(n: dict[str, Any], floor: dict[str, Any] | None) -> str:
+    if not floor or not floor.get("memory_per_stream_kb") or not floor.get("cpu_us_per_chunk"):
+        return ""
+    kb = (n["memory_per_stream_kb"] or 0) - floor["memory_per_stream_kb"]
+    us = n["cpu_us_per_chunk"] - floor["cpu_us_per_chunk"]
+    return (
+        f" The floor (the same stack relaying the stream with no logic) holds "
+        f"{floor['memory_per_stream_kb']:.1f} KB per stream and spends "
+        f"{floor['cpu_us_per_chunk']:.0f} µs of CPU per chunk in the same run; Narwhal's "
+        f"deadlines, SSE checks, evidence and metrics come to {kb:+.1f} KB and {us:+.0f} µs "
+        "beside it (a difference near zero is within this measurement's noise)."
     )
 
 
@@ -155,11 +194,11 @@ def _why_memory(a: dict[str, Any] | None) -> str:
     )
 
 
-def _why_faults(f: dict[str, Any]) -> str:
+def _why_faults(f: dict[str, Any], o: dict[str, Any]) -> str:
     if not _faults(f):
         return ""
-    return (
-        "Faults: sglang-router retries a failed request on another worker (5 attempts by "
+    return _buffering(o) + (
+        "sglang-router retries a failed request on another worker (5 attempts by "
         "default, 5xx answers included) and trips a circuit breaker on failures, so its clients "
         "rarely see an error; its breaker then keeps the engine out for 60 s by default, hence "
         "'not within' in the *back* column. Narwhal's `single_attempt` policy returns the "
@@ -171,6 +210,22 @@ def _why_faults(f: dict[str, Any]) -> str:
         "readmission's backoff (the monitor interval doubled per failed attempt, jittered), "
         "which keeps retrying an ejected engine while the fault lasts."
     )
+
+
+def _buffering(o: dict[str, Any]) -> str:
+    """A router whose first streamed byte comes almost at the end relays streams nearly whole."""
+    out = []
+    for peer in [t for t in o.get("targets", []) if is_peer(t)]:
+        q = point(o, peer, "yes", 1)
+        if q and q["ttft_p50_ms"] > 0.8 * q["p50_ms"]:
+            out.append(
+                f"{peer} delivers a stream's first byte only "
+                f"{q['p50_ms'] - q['ttft_p50_ms']:.1f} ms before its end at c=1 (TTFT p50 "
+                f"{q['ttft_p50_ms']:.2f} vs {q['p50_ms']:.2f} ms in the overhead table): it "
+                "relays streams almost whole, so when a decode engine dies mid-stream its "
+                "client has usually received nothing yet, and nothing forbids a retry. "
+            )
+    return "Faults: " + "".join(out) if out else "Faults: "
 
 
 def _why(p: dict[str, Any]) -> str:
@@ -214,7 +269,8 @@ def render(doc: dict[str, Any]) -> str:
     why = [
         _why(suites.get("profile") or {}),
         _why_streams(suites.get("streams") or {}),
-        _why_faults(suites.get("faults") or {}),
+        _why_latency(suites.get("overhead") or {}),
+        _why_faults(suites.get("faults") or {}, suites.get("overhead") or {}),
     ]
     if any(why):
         out += ["**Why**", ""]

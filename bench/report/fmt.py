@@ -6,6 +6,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+# Targets that are not peer routers: the no-router limit, the HTTP stack's floor, Narwhal.
+NOT_PEERS = ("direct", "floor", "narwhal")
+
+
+def is_peer(target: str) -> bool:
+    return target not in NOT_PEERS
+
 
 def num(value: Any, digits: int = 1) -> str:
     if value is None:

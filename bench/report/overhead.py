@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report.fmt import mb, num, ratio, table
+from bench.report.fmt import is_peer, mb, num, ratio, table
 
 
 def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, Any] | None:
@@ -12,6 +12,57 @@ def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, 
         if p["target"] == target and p["stream"] == stream and p["c"] == c:
             return dict(p)
     return None
+
+
+def paired_added(suite: dict[str, Any], target: str, stream: str = "no") -> float | None:
+    """The target's p50 minus direct's in the interleaved c=1 run, when there was one."""
+    for run in suite.get("paired", []):
+        if run["stream"] != stream:
+            continue
+        rows = {r["target"]: r for r in run["rows"]}
+        if target in rows and "direct" in rows:
+            return float(rows[target]["latency_ms"]["p50"] - rows["direct"]["latency_ms"]["p50"])
+    return None
+
+
+def _paired(suite: dict[str, Any]) -> list[str]:
+    runs = suite.get("paired", [])
+    if not runs:
+        return []
+    rows = []
+    for run in runs:
+        base = {r["target"]: r for r in run["rows"]}.get("direct")
+        for r in run["rows"]:
+            lat = r["latency_ms"]
+            rows.append(
+                [
+                    "stream" if run["stream"] == "yes" else "json",
+                    r["target"],
+                    str(r["rounds"]),
+                    num(lat.get("p50"), 2),
+                    num(lat.get("p99"), 2),
+                    num(lat["p50"] - base["latency_ms"]["p50"], 2) if base else "-",
+                    num(r["diff_p50_ms"], 2),
+                    num(r["failed"], 0),
+                ]
+            )
+    header = ["mode", "target", "rounds", "p50 ms", "p99 ms", "added p50 ms"]
+    header += ["median of per-round differences ms", "failed"]
+    return [
+        "#### Added latency at c=1, paired",
+        "",
+        f"One request at a time, each round one request to every target in rotated order, "
+        f"{runs[0]['duration_s']:.0f} s per mode: the machine's slow drift in speed (±1 ms "
+        "between runs of the table above) falls on every target alike. *added p50* is the "
+        "target's p50 minus direct's in this run; this is the figure the c=1 target is judged "
+        "on. **floor** is `bench/floor.py`: the same HTTP stack as Narwhal (aiohttp, orjson) "
+        "doing only the wire work any vLLM PD proxy must do (read the body, prefill, parse the "
+        "handoff, decode, relay the bytes), with no validation, deadlines, placement, "
+        "evidence or metrics. It is not a router; it measures the stack's own cost.",
+        "",
+        table(header, rows),
+        "",
+    ]
 
 
 def _rows(suite: dict[str, Any], stream: str) -> list[list[str]]:
@@ -71,7 +122,8 @@ def render(suite: dict[str, Any]) -> str:
         header += ["router CPU s / 1k req", "peak RSS MB", "failed", "req/s vs direct"]
         header += ["added p50 ms"]
         out += [f"#### {title}", "", table(header, _rows(suite, stream)), ""]
-    peers = [t for t in suite["targets"] if t not in ("direct", "narwhal")]
+    out += _paired(suite)
+    peers = [t for t in suite["targets"] if is_peer(t)]
     if peers:
         out += ["#### Narwhal relative to each peer (Narwhal ÷ peer; medians)", ""]
         rows = []

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.report.fmt import table
-from bench.report.overhead import point
+from bench.report.overhead import paired_added, point
 
 PEERS = ("vllm-router", "sglang-router")
 
@@ -37,14 +37,21 @@ def throughput(suites: dict[str, Any]) -> Verdict:
 def added_latency(suites: dict[str, Any]) -> Verdict:
     name = "Added p50 latency over the direct PD round trip at c=1 < 1 ms"
     o = suites.get("overhead") or {}
-    n = point(o, "narwhal", "no", 1) if o else None
-    d = point(o, "direct", "no", 1) if o else None
-    if not n or not d:
-        return Verdict(name, "-", None)
-    added = n["p50_ms"] - d["p50_ms"]
-    text = f"+{added:.2f} ms ({n['p50_ms']:.2f} vs {d['p50_ms']:.2f} ms, non-streaming)"
+    added = paired_added(o, "narwhal") if o else None
+    if added is not None:
+        text = f"+{added:.2f} ms (non-streaming, paired run)"
+    else:
+        n = point(o, "narwhal", "no", 1) if o else None
+        d = point(o, "direct", "no", 1) if o else None
+        if not n or not d:
+            return Verdict(name, "-", None)
+        added = n["p50_ms"] - d["p50_ms"]
+        text = f"+{added:.2f} ms ({n['p50_ms']:.2f} vs {d['p50_ms']:.2f} ms, non-streaming)"
     if added >= 1:
         text += f"; over by {added - 1:.2f} ms"
+    floor = paired_added(o, "floor")
+    if floor is not None:
+        text += f"; the HTTP stack's floor adds +{floor:.2f} ms of it"
     return Verdict(name, text, added < 1)
 
 
@@ -63,6 +70,9 @@ def streams(suites: dict[str, Any]) -> Verdict:
     )
     if kb > 20:
         text += f"; memory over by {kb - 20:.1f} KB ({kb / 20 - 1:.0%})"
+    floor = next((r for r in s.get("rows", []) if r["target"] == "floor"), None)
+    if floor is not None and floor.get("memory_per_stream_kb") is not None:
+        text += f"; the HTTP stack's floor holds {floor['memory_per_stream_kb']:.1f} KB/stream"
     met = kb <= 20 and clean if s["streams"] >= 1000 else None
     return Verdict(name, text, met)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.context import Context
-from bench.routers import Engines
+from bench.context import CLIENT_GRACE_S, REQUEST_TIMEOUT_S, Context
+from bench.loadgen.spec import RunSpec
+from bench.routers import Engines, Running
 from bench.sims import SimFlags, SimFleet
 from bench.stats import median
 from bench.suites.common import measure, run_spec, start_routers
@@ -80,12 +81,14 @@ async def run(ctx: Context) -> dict[str, Any]:
                             f"{row['throughput']:7.0f} req/s p50 {row['p50_ms']:.2f} ms "
                             f"failed {row['failed']}"
                         )
+        paired = [await _paired(ctx, routers, engines, stream) for stream in ("no", "yes")]
     finally:
         for r in routers.values():
             await r.stop()
         await fleet.stop()
         await ctx.loadgen.reset()
     return {
+        "paired": paired,
         "targets": list(routers),
         "sim_flags": {"itl_ms": FLAGS.itl_ms, "ttft_per_token_ms": FLAGS.ttft_per_token_ms},
         "max_tokens": MAX_TOKENS,
@@ -94,6 +97,41 @@ async def run(ctx: Context) -> dict[str, Any]:
         "medians": medians(samples, list(routers)),
         "samples": samples,
     }
+
+
+async def _paired(
+    ctx: Context, routers: dict[str, Running], engines: Engines, stream: str
+) -> dict[str, Any]:
+    """c=1, one request per target per round in rotated order: latency added over direct,
+    with the machine's slow drift (seen here as ±1 ms between runs) cancelled out."""
+    names = ["direct", *(n for n in routers if n != "direct")]
+    spec = RunSpec(
+        name=f"overhead-paired-{stream}",
+        target="direct",
+        concurrency=1,
+        max_requests=100_000,
+        duration_s=ctx.mode.paired_s,
+        deadline_s=REQUEST_TIMEOUT_S + CLIENT_GRACE_S,
+        model=ctx.model,
+        stream=stream,
+        prefill=tuple(engines.prefill),
+        decode=tuple(engines.decode),
+        max_tokens=MAX_TOKENS,
+        prompt_words=PROMPT_WORDS,
+        warmup_requests=3,
+        paired=tuple(
+            routers[n].url + "/v1/completions" if n in routers and routers[n].url else ""
+            for n in names
+        ),
+    )
+    result = await ctx.loadgen.run(spec)
+    rows = [{**row, "target": name} for name, row in zip(names, result.paired, strict=True)]
+    for row in rows:
+        ctx.log(
+            f"paired {row['target']:14} stream={stream:3} p50 {row['latency_ms']['p50']:.2f} ms "
+            f"added {row['diff_p50_ms']:+.2f} ms ({row['rounds']} rounds)"
+        )
+    return {"stream": stream, "duration_s": ctx.mode.paired_s, "rows": rows}
 
 
 def medians(samples: list[dict[str, Any]], targets: list[str]) -> list[dict[str, Any]]:

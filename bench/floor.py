@@ -1,0 +1,95 @@
+"""The stack's floor: the least a PD proxy on Narwhal's HTTP stack (aiohttp, orjson) can do.
+
+`python -m bench.floor --port P --prefill URL --decode URL [--decode URL...]` serves
+`/v1/completions` and `/v1/chat/completions` with exactly the wire work any vLLM PD proxy must
+do — read the body, send the prefill leg, parse its answer, send the decode leg with the
+handoff, relay the answer (bytes, streamed or not) — and nothing else: no validation,
+deadlines, placement, evidence or metrics.
+It is not a router. Measured beside Narwhal in the same run, it shows how much of Narwhal's added
+latency and per-stream memory is the HTTP stack's and how much is Narwhal's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import socket
+import sys
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_HEADERS = {"Content-Type": "application/json"}
+
+
+def app(prefill: str, decode: list[str]) -> web.Application:
+    session: dict[str, aiohttp.ClientSession] = {}
+    turn = itertools.cycle(decode)
+
+    async def start(_: web.Application) -> None:
+        session["s"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=4096, family=socket.AF_UNSPEC),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+
+    async def stop(_: web.Application) -> None:
+        await session["s"].close()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        s = session["s"]
+        body = orjson.loads(await request.read())
+        first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": _KV}
+        path = request.path
+        async with s.post(prefill + path, data=orjson.dumps(first), headers=_HEADERS) as r:
+            handoff = orjson.loads(await r.read())["kv_transfer_params"]
+        body["kv_transfer_params"] = handoff
+        async with s.post(next(turn) + path, data=orjson.dumps(body), headers=_HEADERS) as r:
+            if not body.get("stream"):
+                return web.Response(body=await r.read(), content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            async for chunk in r.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    application = web.Application()
+    application.on_startup.append(start)
+    application.on_cleanup.append(stop)
+    application.router.add_post("/v1/completions", completions)
+    application.router.add_post("/v1/chat/completions", completions)
+    application.router.add_get("/health", health)
+    return application
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__.split("\n")[0])
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--prefill", required=True)
+    p.add_argument("--decode", required=True, action="append")
+    args = p.parse_args(argv)
+    web.run_app(
+        app(args.prefill, args.decode),
+        host="127.0.0.1",
+        port=args.port,
+        access_log=None,
+        print=lambda *_: None,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
