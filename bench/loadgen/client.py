@@ -64,9 +64,13 @@ def _median_diff_ms(mine: list[float], base: list[float]) -> float:
 
 
 class Failed(Exception):
-    def __init__(self, reason: str) -> None:
+    """`midstream`: the response's body had begun reaching the client when it failed, which
+    is where Narwhal may no longer retry (DESIGN §1)."""
+
+    def __init__(self, reason: str, midstream: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.midstream = midstream
 
 
 @dataclass(slots=True)
@@ -208,6 +212,7 @@ class Client:
         tally.in_flight += 1
         result.peak_in_flight = max(result.peak_in_flight, tally.in_flight)
         outcome = "ok"
+        midstream = False
         try:
             async with asyncio.timeout(spec.deadline_s):
                 if spec.target == "direct":
@@ -218,7 +223,7 @@ class Client:
         except TimeoutError:
             outcome = "hung"
         except Failed as exc:
-            outcome = exc.reason
+            outcome, midstream = exc.reason, exc.midstream
         except (aiohttp.ClientError, OSError) as exc:
             outcome = f"transport:{type(exc).__name__}"
         finally:
@@ -234,7 +239,9 @@ class Client:
         else:
             result.failed[outcome] = result.failed.get(outcome, 0) + 1
         if spec.records:
-            result.records.append((round(t0, 4), round(t1, 4), outcome, int(stream)))
+            result.records.append(
+                (round(t0, 4), round(t1, 4), outcome, int(stream), int(midstream))
+            )
 
     async def _direct(
         self,
@@ -278,37 +285,53 @@ class Client:
                 await resp.read()
                 raise Failed(f"http_{resp.status}")
             if not stream:
-                data = await resp.read()
-                if b'"choices"' not in data:
-                    raise Failed("bad_body")
+                parts: list[bytes] = []
+                try:
+                    async for part in resp.content.iter_any():
+                        parts.append(part)
+                except (aiohttp.ClientError, OSError) as exc:
+                    raise Failed(f"transport:{type(exc).__name__}", bool(parts)) from exc
+                if b'"choices"' not in b"".join(parts):
+                    raise Failed("bad_body", True)
                 return time.monotonic()
-            first = 0.0
-            last = 0.0
-            done = False
-            tail = b""
-            async for chunk in resp.content.iter_any():
-                now = time.monotonic()
-                events = chunk.count(b"data: ")
-                if b'"error"' in chunk:
-                    raise Failed(_error_reason(chunk))
-                seen = tail + chunk
-                if b"[DONE]" in seen:
-                    done = True
-                    events -= 1
-                tail = seen[-8:]
-                if events <= 0:
-                    continue
-                if first:
-                    gap_ms = (now - last) * 1000
-                    tally.gaps.add(gap_ms)
-                    if gap_ms > tally.stall_ms:
-                        result.stalls += 1
-                else:
-                    first = now
-                last = now
-                result.chunks += events
-                if tally.window[0] <= now <= tally.window[1]:
-                    tally.window_chunks += events
-            if not done:
-                raise Failed("no_done")
-            return first or time.monotonic()
+            try:
+                return await self._events(resp, result, tally)
+            except (aiohttp.ClientError, OSError) as exc:
+                raise Failed(
+                    f"transport:{type(exc).__name__}", resp.content.total_bytes > 0
+                ) from exc
+
+    async def _events(
+        self, resp: aiohttp.ClientResponse, result: RunResult, tally: _Tally
+    ) -> float:
+        """Read an SSE stream to `[DONE]`; returns when its first event arrived."""
+        first = 0.0
+        last = 0.0
+        done = False
+        tail = b""
+        async for chunk in resp.content.iter_any():
+            now = time.monotonic()
+            events = chunk.count(b"data: ")
+            if b'"error"' in chunk:
+                raise Failed(_error_reason(chunk), True)
+            seen = tail + chunk
+            if b"[DONE]" in seen:
+                done = True
+                events -= 1
+            tail = seen[-8:]
+            if events <= 0:
+                continue
+            if first:
+                gap_ms = (now - last) * 1000
+                tally.gaps.add(gap_ms)
+                if gap_ms > tally.stall_ms:
+                    result.stalls += 1
+            else:
+                first = now
+            last = now
+            result.chunks += events
+            if tally.window[0] <= now <= tally.window[1]:
+                tally.window_chunks += events
+        if not done:
+            raise Failed("no_done", resp.content.total_bytes > 0)
+        return first or time.monotonic()

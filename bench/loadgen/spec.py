@@ -66,7 +66,7 @@ class RunResult:
     steady_chunks_per_s: float = 0.0  # data events per second between ramp-up and the end
     peak_in_flight: int = 0
     client_cpu_s: float = 0.0
-    records: list[tuple[float, float, str, int]] = field(default_factory=list)
+    records: list[tuple[float, float, str, int, int]] = field(default_factory=list)
     # paired runs: per entry of spec.paired, latency and TTFT summaries, and the median of the
     # per-round differences to the first entry
     paired: list[dict[str, Any]] = field(default_factory=list)

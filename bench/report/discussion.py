@@ -197,18 +197,42 @@ def _why_memory(a: dict[str, Any] | None) -> str:
 def _why_faults(f: dict[str, Any], o: dict[str, Any]) -> str:
     if not _faults(f):
         return ""
-    return _buffering(o) + (
-        "sglang-router retries a failed request on another worker (5 attempts by "
-        "default, 5xx answers included) and trips a circuit breaker on failures, so its clients "
-        "rarely see an error; its breaker then keeps the engine out for 60 s by default, hence "
-        "'not within' in the *back* column. Narwhal's `single_attempt` policy returns the "
-        "in-flight failures (one per request that met the fault before the ejection), and "
-        "`bounded` retries only before the first byte reached the client, so streams cut by "
-        "a killed decode engine fail under both policies. A frozen engine's open streams fail "
-        "after `serving.stream_idle_timeout_s` (5 s, the fault's length here), where routers "
-        "without an idle deadline simply wait for the thaw. Narwhal's *back* times come from "
-        "readmission's backoff (the monitor interval doubled per failed attempt, jittered), "
-        "which keeps retrying an ejected engine while the fault lasts."
+    return (
+        _buffering(o)
+        + _midstream(f)
+        + (
+            "sglang-router retries a failed request on another worker (5 attempts by "
+            "default, 5xx answers included) and trips a circuit breaker on failures, so its clients "
+            "rarely see an error; its breaker then keeps the engine out for 60 s by default, hence "
+            "'not within' in the *back* column. Narwhal's `single_attempt` policy returns the "
+            "in-flight failures (one per request that met the fault before the ejection), and "
+            "`bounded` retries only before the first byte reached the client, so streams cut by "
+            "a killed decode engine fail under both policies. A frozen engine's open streams fail "
+            "after `serving.stream_idle_timeout_s` (5 s, the fault's length here), where routers "
+            "without an idle deadline simply wait for the thaw. Narwhal's *back* times come from "
+            "readmission's backoff (the monitor interval doubled per failed attempt, jittered), "
+            "which keeps retrying an ejected engine while the fault lasts."
+        )
+    )
+
+
+def _midstream(f: dict[str, Any]) -> str:
+    """How many of Narwhal's failures came after the first byte, where no retry is allowed."""
+    out = []
+    for policy in ("narwhal", "narwhal-bounded"):
+        mine = [r for r in f.get("rows", []) if r["router"] == policy and r["failed"]]
+        failed = sum(r["failed"] for r in mine)
+        mid = sum(r.get("failed_midstream", 0) for r in mine)
+        if failed:
+            out.append(f"{mid} of {policy}'s {failed}")
+    if not out:
+        return ""
+    return (
+        "Of the failures across all scenarios, " + " and ".join(out) + " came after the "
+        "response's first byte had reached the client (the *after first byte* column): a stream "
+        "cut by a dead or frozen engine, which DESIGN §1 forbids retrying under either policy. "
+        "The others met the fault before any byte was sent: `single_attempt` answers those with "
+        "an error by definition, `bounded` retries them on another pair within the deadline. "
     )
 
 

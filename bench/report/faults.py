@@ -17,6 +17,9 @@ def render(suite: dict[str, Any]) -> str:
         f"Load: closed loop of {suite['concurrency']} clients, half of the requests streaming, "
         f"{suite['max_tokens']} tokens at {suite['itl_ms']:.0f} ms ITL; every router's request "
         f"deadline {suite['request_timeout_s']:.0f} s, the client gives up 2 s later (**hung**). "
+        "**After first byte**: failed requests whose response body had begun reaching the "
+        "client (a stream cut or ended with an error event), where DESIGN §1 forbids Narwhal "
+        "a retry under either policy. "
         f"Schedule: {suite['warm_s']:.0f} s of load, the fault for {suite['fault_s']:.0f} s, "
         f"then {suite['after_s']:.0f} s more. **Out of rotation**: seconds from the fault's start "
         f"to the last client request the faulty engine received, provided it then received none "
@@ -40,6 +43,7 @@ def render(suite: dict[str, Any]) -> str:
                     r["router"],
                     str(r["requests"]),
                     str(r["failed"]),
+                    str(r.get("failed_midstream", "-")),
                     str(r["hung"]),
                     reasons or "-",
                     seconds(r["out_of_rotation_s"], "never"),
@@ -48,7 +52,8 @@ def render(suite: dict[str, Any]) -> str:
                     num(r["throughput"], 0),
                 ]
             )
-        header = ["router", "requests", "failed", "hung", "failures", "out of rotation s"]
+        header = ["router", "requests", "failed", "after first byte", "hung", "failures"]
+        header += ["out of rotation s"]
         header += ["Narwhal budget s", "back s", "ok req/s"]
         out += [f"#### {scenario}", "", what + ".", "", table(header, rows), ""]
     return "\n".join(out)

@@ -95,7 +95,9 @@ def faults(suites: dict[str, Any]) -> list[Verdict]:
             best = min((p["failed"] for p in peers), default=None)
             # Fewer than a peer's zero is impossible: none failed counts as met.
             if best is not None and r["failed"] and r["failed"] >= best:
-                fewer.append(f"{r['scenario']} {r['failed']} vs {best}")
+                mid = r.get("failed_midstream")
+                after = f" ({mid} after the first byte)" if mid is not None else ""
+                fewer.append(f"{r['scenario']} {r['failed']}{after} vs {best}")
             if r["hung"]:
                 hung.append(f"{r['scenario']} {r['hung']}")
             out_s, budget = r["out_of_rotation_s"], r["budget_s"]

@@ -132,7 +132,7 @@ async def _one(
 
 
 def judge(
-    records: list[tuple[float, float, str, int]],
+    records: list[tuple[float, float, str, int, int]],
     arrivals: list[float],
     t_fault: float,
     t_end: float,
@@ -156,6 +156,8 @@ def judge(
         "ok": sum(1 for r in records if r[2] == "ok"),
         "failed": len(failed),
         "failed_by": reasons,
+        # the response's body had begun reaching the client: no retry is allowed there
+        "failed_midstream": sum(1 for r in failed if r[4]),
         "failed_during_fault": sum(1 for r in failed if t_fault <= r[1] < t_end + 1.0),
         "hung": sum(1 for r in records if r[2] == "hung"),
         "at_engine_during_fault": len(during),
