@@ -20,14 +20,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from narwhal.engine.vllm import PREFILL_KV_PARAMS
+
 _HEADERS = {"Content-Type": "application/json"}
 
 
@@ -49,7 +43,7 @@ def app(prefill: str, decode: list[str]) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         s = session["s"]
         body = orjson.loads(await request.read())
-        first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": _KV}
+        first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_PARAMS}
         path = request.path
         async with s.post(prefill + path, data=orjson.dumps(first), headers=_HEADERS) as r:
             handoff = orjson.loads(await r.read())["kv_transfer_params"]

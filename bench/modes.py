@@ -1,4 +1,4 @@
-"""Run sizes: `quick` (a smoke test, under a minute) and `full` (docs/benchmarks.md, ~17 min)."""
+"""Run sizes: `quick` (a smoke test, under a minute) and `full` (docs/benchmarks.md, ~18 min)."""
 
 from __future__ import annotations
 

@@ -197,23 +197,17 @@ def _why_memory(a: dict[str, Any] | None) -> str:
 def _why_faults(f: dict[str, Any], o: dict[str, Any]) -> str:
     if not _faults(f):
         return ""
-    return (
-        _buffering(o)
-        + _midstream(f)
-        + (
-            "sglang-router retries a failed request on another worker (5 attempts by "
-            "default, 5xx answers included) and trips a circuit breaker on failures, so its clients "
-            "rarely see an error; its breaker then keeps the engine out for 60 s by default, hence "
-            "'not within' in the *back* column. Narwhal's `single_attempt` policy returns the "
-            "in-flight failures (one per request that met the fault before the ejection), and "
-            "`bounded` retries only before the first byte reached the client, so streams cut by "
-            "a killed decode engine fail under both policies. A frozen engine's open streams fail "
-            "after `serving.stream_idle_timeout_s` (5 s, the fault's length here), where routers "
-            "without an idle deadline simply wait for the thaw. Narwhal's *back* times come from "
-            "readmission's backoff (the monitor interval doubled per failed attempt, jittered), "
-            "which keeps retrying an ejected engine while the fault lasts."
-        )
+    fixed = (
+        "sglang-router retries a failed request on another worker (5 attempts by default, 5xx "
+        "answers included) and trips a circuit breaker on failures, so its clients rarely see "
+        "an error; its breaker then keeps the engine out for 60 s by default, hence 'not "
+        "within' in the *back* column. A frozen engine's open streams fail after "
+        "`serving.stream_idle_timeout_s` (5 s, the fault's length here), where routers without "
+        "an idle deadline simply wait for the thaw. Narwhal's *back* times come from "
+        "readmission's backoff (the monitor interval doubled per failed attempt, jittered), "
+        "which keeps retrying an ejected engine while the fault lasts."
     )
+    return _buffering(o) + _midstream(f) + fixed
 
 
 def _midstream(f: dict[str, Any]) -> str:

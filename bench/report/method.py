@@ -24,7 +24,7 @@ def render(doc: dict[str, Any]) -> str:
     return f"""### Running it
 
 ```sh
-make bench          # full mode: this file, raw JSON in bench-results/full.json (~17 min)
+make bench          # full mode: this file, raw JSON in bench-results/full.json (~18 min)
 make bench-quick    # quick mode: bench-results/quick.md (under a minute once set up)
 .venv/bin/python -m bench --mode full --report docs/benchmarks.md --results bench-results \\
     [--suites overhead,streams,faults,control,profile,llama] [--no-peers]
@@ -52,6 +52,11 @@ to download one.
   **direct** is the load generator doing the PD round trip itself: a prefill leg with
   `max_tokens: 1` and `kv_transfer_params.do_remote_decode: true`, then the decode leg with the
   returned `kv_transfer_params` spliced into the original body (the no-router limit).
+- **Floor** (overhead and streams suites): `python -m bench.floor`, a PD relay on Narwhal's own
+  HTTP stack (aiohttp, orjson) that does only the wire work every vLLM PD proxy must do — read
+  the body, prefill, take the handoff, decode, relay the bytes — with no validation, deadlines,
+  placement, evidence or metrics. Not a router: it shows which part of Narwhal's cost is the
+  stack's and which is Narwhal's own.
 - **Tap** (faults and control-plane suites): `python -m bench.tap`, a TCP relay with one port
   per engine id. It timestamps every client request passing to an engine (the load generator's
   prompts carry a marker; probes and health checks do not) and resets the router's connection
@@ -62,7 +67,10 @@ to download one.
   run's own peak RSS.
 - **Medians**: the overhead suite runs every target once per round, in a rotated order, for
   `reps` rounds; tables show the median of the rounds (the p50/p99 columns are each run's
-  percentiles, then the median over rounds).
+  percentiles, then the median over rounds). The c=1 target is judged on a separate
+  **paired** run: one request at a time, each round sending one request to every target in a
+  rotated order, so that the machine's slow drift in speed (about ±1 ms between runs) falls on
+  every target alike.
 
 ### Routers and their settings
 

@@ -591,6 +591,7 @@ class DataPlane:
 
 
 def _in_flight_of(engine: EngineState) -> Callable[[], float]:
+    """The engine's live in-flight count, for its gauge."""
     return lambda: engine.in_flight
 
 
