@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,11 @@ import aiohttp
 import openai
 import pytest
 
+from tests.support.etcd import free_port
 from tests.support.poll import eventually
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _children(pid: int) -> list[int]:
@@ -54,7 +48,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "demo.log"
     log = log_path.open("wb")

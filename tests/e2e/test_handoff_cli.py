@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.stages import consolidation_risk
 from narwhal.state.handoff import build_document
 from narwhal.telemetry.metrics import Metrics
+from tests.support.etcd import free_port
 from tests.support.router import router_config
 from tests.support.sim_process import SimFactory
 
@@ -211,13 +211,6 @@ def test_validate_with_a_bad_config_is_a_usage_error(
 
 
 # --------------------------------------------------------------------------- narwhal-serve
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def http_get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+from tests.support.etcd import free_port
 from tests.support.poll import eventually
 from tests.support.sim_process import SimProcess
 
@@ -44,13 +44,6 @@ STEPS = (
     "final_health",
 )
 MODEL = "demo-model"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def engine(engine_id: str, url: str, role: str, **extra: Any) -> dict[str, Any]:
