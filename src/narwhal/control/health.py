@@ -22,7 +22,7 @@ from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind, classify_status
 from narwhal.engine.registry import Adapters
-from narwhal.engine.transport import EngineClient, control_get
+from narwhal.engine.transport import ControlPoolBusy, EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.health")
@@ -32,6 +32,7 @@ class Answer(StrEnum):
     OK = "ok"  # HTTP 200
     ERROR = "error"  # some other HTTP status: alive, not healthy
     SILENT = "silent"  # no response at all (refused, reset, timed out)
+    BUSY = "busy"  # no control connection came free: the engine was not asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,8 @@ async def check_health(
     """One health probe over the control pool, classified (and shown to the adapter)."""
     try:
         reply = await control_get(client, engine.config, "/health", timeout_s)
+    except ControlPoolBusy as exc:
+        return HealthResult(Answer.BUSY, exc)
     except EngineFailure as exc:
         adapters(engine.config).observe_health(engine.id, False)
         return HealthResult(Answer.SILENT, exc)
@@ -97,6 +100,8 @@ class HealthStages:
             if result.answer is Answer.OK:
                 self._evidence.success(engine.id, SuccessKind.HEALTH_OK, "health")
                 self._lifecycle.health_ok(engine, now)
+            elif result.answer is Answer.BUSY:
+                log.warning("engine %s: health check skipped: %s", engine.id, result.failure)
             elif engine.ejected is None:
                 assert result.failure is not None
                 self._evidence.failure(engine.id, result.failure, "health")

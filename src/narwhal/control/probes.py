@@ -34,7 +34,13 @@ from narwhal.engine.failures import (
     classify_status,
 )
 from narwhal.engine.registry import Adapters
-from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
+from narwhal.engine.transport import (
+    ControlPoolBusy,
+    EngineClient,
+    PoolKind,
+    classify_exception,
+    engine_headers,
+)
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.probes")
@@ -131,6 +137,8 @@ class InferenceProber:
             if engine.role is Role.PREFILL:
                 return await self._probe_prefill(engine)
             return await self._probe_decode(engine)
+        except ControlPoolBusy as exc:
+            return ProbeResult(Verdict.INCONCLUSIVE, str(exc))
         except EngineFailure as exc:
             return ProbeResult(Verdict.FAILED, str(exc), exc.failure_class)
         except HandoffRefused as exc:
@@ -162,6 +170,8 @@ class InferenceProber:
             return ProbeResult(Verdict.INCONCLUSIVE, f"prefill peer {peer.id}: {exc}")
         try:
             await self.decode_with(engine, handoff)
+        except HandoffRefused as exc:  # the producer's fault (DESIGN §1), not the probed one's
+            return ProbeResult(Verdict.INCONCLUSIVE, f"handoff from {peer.id} refused: {exc}")
         finally:
             await self.discard(peer, handoff)
         return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}")
@@ -227,18 +237,22 @@ class InferenceProber:
         session = self._client.session(PoolKind.CONTROL)
         headers = self._headers(engine)
         scanner = SseScanner()
+        timeout_s = self._cfg.engine.probe_timeout_s
         try:
-            async with asyncio.timeout(self._cfg.engine.probe_timeout_s):
-                async with session.post(
+            async with (
+                self._client.control_slot(timeout_s),
+                asyncio.timeout(timeout_s),
+                session.post(
                     engine.config.url + "/v1/completions", data=orjson.dumps(body), headers=headers
-                ) as resp:
-                    if resp.status != 200:
-                        cls = classify_status(resp.status) or FailureClass.INFERENCE_STATUS
-                        raise EngineFailure(
-                            cls, f"decode leg answered HTTP {resp.status}", status=resp.status
-                        )
-                    async for chunk in resp.content.iter_any():
-                        scanner.feed(chunk)
+                ) as resp,
+            ):
+                if resp.status != 200:
+                    cls = classify_status(resp.status) or FailureClass.INFERENCE_STATUS
+                    raise EngineFailure(
+                        cls, f"decode leg answered HTTP {resp.status}", status=resp.status
+                    )
+                async for chunk in resp.content.iter_any():
+                    scanner.feed(chunk)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise classify_exception(exc, FailureClass.STREAM) from None
         if scanner.malformed or not scanner.done:

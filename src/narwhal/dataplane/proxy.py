@@ -118,6 +118,7 @@ class DataPlane:
         metrics.pool_limit.labels("control").set(config.engine.control_connections)
         # Live gauges, read when /metrics is scraped, instead of a set() per request and leg.
         metrics.pool_in_use.labels("data").set_function(lambda: self.pool.in_use)
+        metrics.pool_in_use.labels("control").set_function(lambda: client.control_in_use)
         metrics.queue_depth.set_function(lambda: self.pool.waiting)
         for engine in fleet:
             metrics.in_flight.labels(engine.id).set_function(_in_flight_of(engine))

@@ -1,7 +1,9 @@
 """HTTP to engines over two bounded pools, with every transport error classified here.
 
 The data pool serves prefill, decode and token counting; the control pool (health, probes,
-readmission) is a separate connector so data traffic can never starve it.
+readmission) is a separate connector so data traffic can never starve it. A control request
+first waits for a free control connection, then gets its own deadline: time spent queued
+behind other control requests is never charged to the engine (`ControlPoolBusy`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -29,6 +32,16 @@ class Reply:
     status: int
     body: bytes
     content_type: str
+
+
+class ControlPoolBusy(EngineFailure):
+    """No control connection came free in time, so the engine was never asked: no evidence
+    against it. A subclass of EngineFailure so that code which does not judge engines handles
+    it as any failed request; health checks and probes, which do judge them, tell it apart."""
+
+    def __init__(self, waited_s: float) -> None:
+        detail = f"no control connection free within {waited_s:g} s"
+        super().__init__(FailureClass.TIMEOUT, detail, timed_out=True)
 
 
 def classify_exception(exc: BaseException, timeout_class: FailureClass) -> EngineFailure:
@@ -68,6 +81,8 @@ class EngineClient:
         self._limits = {PoolKind.DATA: data_limit, PoolKind.CONTROL: control_limit}
         self._ssl = ssl_context
         self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
+        self._control = asyncio.Semaphore(control_limit)
+        self.control_in_use = 0
 
     async def start(self) -> None:
         for kind, limit in self._limits.items():
@@ -87,6 +102,21 @@ class EngineClient:
     def session(self, pool: PoolKind) -> aiohttp.ClientSession:
         return self._sessions[pool]
 
+    @asynccontextmanager
+    async def control_slot(self, wait_s: float) -> AsyncIterator[None]:
+        """Hold one control connection for a request; ControlPoolBusy after `wait_s`."""
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._control.acquire()
+        except TimeoutError:
+            raise ControlPoolBusy(wait_s) from None
+        self.control_in_use += 1
+        try:
+            yield
+        finally:
+            self.control_in_use -= 1
+            self._control.release()
+
     async def post(
         self,
         pool: PoolKind,
@@ -97,6 +127,20 @@ class EngineClient:
         timeout_class: FailureClass = FailureClass.TIMEOUT,
     ) -> Reply:
         """POST and read the whole reply; raises EngineFailure on transport trouble."""
+        if pool is PoolKind.CONTROL:
+            async with self.control_slot(timeout_s):
+                return await self._post(pool, url, body, headers, timeout_s, timeout_class)
+        return await self._post(pool, url, body, headers, timeout_s, timeout_class)
+
+    async def _post(
+        self,
+        pool: PoolKind,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float,
+        timeout_class: FailureClass,
+    ) -> Reply:
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._sessions[pool].post(url, data=body, headers=headers) as resp:
@@ -111,6 +155,14 @@ class EngineClient:
         url: str,
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        if pool is PoolKind.CONTROL:
+            async with self.control_slot(timeout_s):
+                return await self._get(pool, url, timeout_s, headers)
+        return await self._get(pool, url, timeout_s, headers)
+
+    async def _get(
+        self, pool: PoolKind, url: str, timeout_s: float, headers: Mapping[str, str] | None
     ) -> Reply:
         try:
             async with asyncio.timeout(timeout_s):

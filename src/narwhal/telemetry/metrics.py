@@ -91,7 +91,10 @@ class Metrics:
             "narwhal_retries", "Bounded-policy retries by reason", ["reason"], registry=r
         )
         self.pool_in_use = Gauge(
-            "narwhal_pool_connections_in_use", "Connections in use by pool", ["pool"], registry=r
+            "narwhal_pool_connections_in_use",
+            "Connections in use by pool (data, control), read at scrape time",
+            ["pool"],
+            registry=r,
         )
         self.pool_limit = Gauge(
             "narwhal_pool_connections_limit", "Pool bounds", ["pool"], registry=r
@@ -155,7 +158,13 @@ class Metrics:
         )
         self.ready = Gauge("narwhal_ready", "1 when /ready answers 200", registry=r)
         self.health_checks = Counter(
-            "narwhal_health_checks", "Health check results", ["engine", "result"], registry=r
+            "narwhal_health_checks",
+            (
+                "Health check results: ok, error (HTTP status other than 200), silent (no answer), "
+                "busy (no control connection came free: not evidence)"
+            ),
+            ["engine", "result"],
+            registry=r,
         )
         self.probes = Counter(
             "narwhal_probes",
