@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from narwhal.clock import Clock, SystemClock
@@ -320,6 +321,17 @@ class Router:
         self.resume_verdict = verdict
         return verdict
 
+    async def continue_sequence(self) -> None:
+        """Without --resume nothing saved is applied, but the sequence still continues from
+        the file's, so the handoff's sequence stays monotonic across restarts (DESIGN §4)."""
+        try:
+            raw = await asyncio.to_thread(read_handoff, self.handoff.path)
+            sequence = orjson.loads(raw)["sequence"] if raw else None
+        except (UnreadableHandoff, orjson.JSONDecodeError, TypeError, KeyError):
+            return
+        if isinstance(sequence, int) and not isinstance(sequence, bool):
+            self.handoff.sequence = max(self.handoff.sequence, sequence)
+
     def roles_without_capacity(self) -> list[Any]:
         now = self.clock.monotonic()
         return [r for r in self.fleet.needed_roles() if not self.fleet.candidates(r, now)]
@@ -385,6 +397,8 @@ class Router:
         await self.client.start()
         if self.resume:
             await self.apply_saved_state()
+        else:
+            await self.continue_sequence()
         if self.ownership is not None:
             await self.ownership.start(self.standby)
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)

@@ -269,6 +269,21 @@ async def test_an_ejection_survives_and_the_sequence_continues(
     assert (await engines_by_id(second))["d1"]["ejected"] is not None
 
 
+async def test_without_resume_nothing_is_applied_but_the_sequence_continues(
+    with_dead: list[dict[str, Any]], start_router: StartRouter
+) -> None:
+    fs = TrackingFilesystem()
+    first = await start_router(with_dead, router_kwargs={"filesystem": fs})
+    saved = await first_router_state(first, fs, lambda d: d["sequence"] >= 3)
+
+    second = await start_router(with_dead)
+    router = second.router
+    assert router.resume_verdict is None  # nothing was applied
+    assert router.handoff.sequence >= saved["sequence"]
+    await eventually(lambda: router.handoff.writes >= 1, what="the second router's first write")
+    assert read_doc(router.handoff.path)["sequence"] > saved["sequence"]
+
+
 class BreakableFilesystem(Filesystem):
     def __init__(self) -> None:
         self.broken = False
