@@ -282,6 +282,14 @@ async def test_serve_refuses_a_non_loopback_listen_without_an_admin_token(
     assert "listening" not in output
 
 
+async def test_the_demo_refuses_a_non_loopback_listen() -> None:
+    """The demo has no admin token, so it follows the same rule, before starting any sim."""
+    code, output = await serve("--demo", "--listen", f"0.0.0.0:{free_port()}")
+    assert code == 2, output
+    assert "admin" in output and "token" in output, output
+    assert "listening" not in output
+
+
 @pytest.mark.parametrize("token", ["", "   "], ids=["empty", "blank"])
 def test_a_blank_inline_token_is_no_token(token: str) -> None:
     """A blank `admin.token` is no token (it could never be presented): the loopback rule

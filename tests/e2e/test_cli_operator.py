@@ -263,7 +263,7 @@ async def test_usage_errors_exit_2() -> None:
 
 
 @pytest.mark.slow
-async def test_handoff_show_and_validate_a_live_routers_handoff(
+async def test_handoff_inspect_and_validate_a_live_routers_handoff(
     setup: Setup, fleet: Fleet, tmp_path: Path
 ) -> None:
     await setup.admin.drain("p0")
@@ -275,10 +275,18 @@ async def test_handoff_show_and_validate_a_live_routers_handoff(
 
     await eventually(written, what="a handoff with the drain")
     path = str(setup.rr.router.handoff.path)
-    shown = await narwhal("handoff", "show", path)
-    assert shown.code == 0, shown
-    p0_line = next(line for line in shown.out.splitlines() if line.startswith("p0 "))
+    # Over the admin API (no file): the router's latest document.
+    live = await narwhal(*setup.args("handoff", "inspect"))
+    assert live.code == 0, live
+    assert live.out.startswith(f"path {path}  sequence "), live
+    p0_line = next(line for line in live.out.splitlines() if line.startswith("p0 "))
     assert "holds=operator_drain" in p0_line and "prefill" in p0_line
+    # A file, offline; `show` is the same command.
+    for command in ("inspect", "show"):
+        shown = await narwhal("handoff", command, path)
+        assert shown.code == 0, shown
+        p0_line = next(line for line in shown.out.splitlines() if line.startswith("p0 "))
+        assert "holds=operator_drain" in p0_line and "prefill" in p0_line
 
     config = tmp_path / "same-fleet.yaml"
     config.write_text(yaml.safe_dump(router_config(fleet.engines(), tmp_path)))

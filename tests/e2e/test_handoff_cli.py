@@ -1,6 +1,6 @@
 """The handoff from the command line, run as real subprocesses.
 
-`narwhal handoff show FILE` and `narwhal handoff validate FILE --config CFG`
+`narwhal handoff show FILE` (an alias of `inspect`) and `narwhal handoff validate FILE --config CFG`
 (`python -m narwhal.cli.operator`), offline: no router needed. `validate` applies the resume
 rules (spec "Resume validation"): exit 0 and `valid: ...` for a document `--resume` would
 apply; exit 1 and `invalid: <reason>` otherwise; exit 2 for a bad configuration.

@@ -77,14 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=f"{name} an engine").add_argument("engine_id")
     handoff = sub.add_parser("handoff", help="inspect or validate a handoff file")
     hsub = handoff.add_subparsers(dest="handoff_command", required=True)
-    show = hsub.add_parser("show", help="print a handoff readably")
-    show.add_argument("file")
+    inspect = hsub.add_parser(
+        "inspect",
+        aliases=["show"],
+        help="print a handoff readably: FILE, or the router's latest over the admin API",
+    )
+    inspect.add_argument("file", nargs="?")
     validate = hsub.add_parser("validate", help="check a handoff against the schema and config")
     validate.add_argument("file")
     validate.add_argument("--config", required=True, help="the router's YAML configuration")
     sub.add_parser("lease", help="the lease as the router sees it")
     args = p.parse_args(argv)
-    if args.command == "handoff":
+    if args.command == "handoff" and args.handoff_command == "show":
+        args.handoff_command = "inspect"
+    if args.command == "handoff" and (args.handoff_command != "inspect" or args.file):
         return _handoff(args)
     try:
         return _run(args)
@@ -109,12 +115,12 @@ def _handoff(args: argparse.Namespace) -> int:
     try:
         raw = read_handoff(Path(args.file))
     except UnreadableHandoff as exc:
-        if args.handoff_command == "show":
+        if args.handoff_command == "inspect":
             print(f"narwhal: {args.file}: {exc.reason}", file=sys.stderr)
             return EXIT_ERROR
         print(f"invalid: {exc}")
         return EXIT_ERROR
-    if args.handoff_command == "show":
+    if args.handoff_command == "inspect":
         if raw is None:
             print(f"narwhal: {args.file}: no such file", file=sys.stderr)
             return EXIT_ERROR
@@ -161,6 +167,18 @@ def _describe_handoff(doc: dict[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "handoff":  # inspect without a file: the router's latest document
+        status, body = _call(args.url, args.token, "GET", "/admin/handoff")
+        if status != 200:
+            print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"path {body['path']}  sequence {body['sequence']}")
+        resume = body.get("resume")
+        if resume is not None:
+            print(f"resume: {'applied' if resume['applied'] else 'refused'} ({resume['reason']})")
+        document = body.get("document")
+        print(_describe_handoff(document) if document else "no handoff written yet")
+        return 0
     if args.command == "lease":
         status, body = _call(args.url, args.token, "GET", "/admin/lease")
         if status != 200:

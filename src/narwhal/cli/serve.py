@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import signal
 import sys
 from collections.abc import Coroutine
@@ -62,6 +63,18 @@ def check_startable(config: Config) -> list[str]:
     return problems
 
 
+def _demo_problems(listen: str) -> list[str]:
+    """The demo's config with placeholder engines, checked before any sim starts: the same
+    listen and admin rules as a --config run (the demo has no admin token)."""
+    from narwhal.cli.demo import demo_config
+
+    try:
+        placeholder = demo_config(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], listen)
+    except ConfigError as exc:
+        return exc.problems
+    return check_startable(placeholder)
+
+
 async def _serve(config: Config, resume: bool, standby: bool) -> None:
     from narwhal.server import Router
 
@@ -110,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config OK: {args.check_config} ({len(config.engines)} engines)")
         return 0
     if args.demo:
-        asyncio.run(_main_async(_demo(args.listen or "127.0.0.1:8080")))
+        listen = args.listen or "127.0.0.1:8080"
+        problems = _demo_problems(listen)
+        if problems:
+            return _fail_config(problems)
+        asyncio.run(_main_async(_demo(listen)))
         return 0
     if not args.config:
         print("narwhal-serve: give --config FILE, --check-config FILE or --demo", file=sys.stderr)
@@ -126,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail_config(problems)
     if args.standby and config.lease.backend == "none":
         return _fail_config(["lease.backend: --standby needs a shared lease (file or etcd)"])
+    if args.standby and config.standby.active_url is None:
+        logging.getLogger("narwhal.serve").warning(
+            "standby.active_url is not set: this standby takes over only when the lease "
+            "expires, never after standby.takeover_threshold failing /ready checks"
+        )
     asyncio.run(_main_async(_serve(config, resume=args.resume, standby=args.standby)))
     return 0
 
