@@ -262,6 +262,8 @@ class Router:
         if result.answer is Answer.OK:
             self.evidence.success(engine_id, SuccessKind.HEALTH_OK, "suspect_probe")
             self.lifecycle.health_ok(engine, now)
+        elif result.answer is Answer.BUSY:  # never asked: the streak stands, nothing confirmed
+            log.warning("engine %s: suspect probe not run: %s", engine_id, result.failure)
         else:
             detail = result.failure.detail if result.failure else "no answer"
             self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {detail}", now)

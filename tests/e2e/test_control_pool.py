@@ -89,3 +89,22 @@ async def test_healthy_engines_queued_behind_a_frozen_one_gather_no_evidence(
         assert router.fleet.get("p0").ejected is not None  # the frozen engine is still caught
     finally:
         prefill.thaw()
+
+
+async def test_a_suspect_probe_that_cannot_get_a_control_connection_ejects_nothing(
+    sim_factory: SimFactory, start_router: StartRouter
+) -> None:
+    prefill, decode = sim_factory.start_many([list(PREFILL), list(DECODE)])
+    fleet: list[dict[str, Any]] = [
+        {"id": "p0", "url": prefill.url, "role": "prefill"},
+        {"id": "d0", "url": decode.url, "role": "decode"},
+    ]
+    rr = await start_router(fleet, engine={"control_connections": 1, "health_timeout_s": 0.2})
+    router = rr.router
+    # Something else holds the only control connection for longer than the probe may wait.
+    async with router.client.control_slot(5.0):
+        await router._suspect_probe("d0", FailureClass.TIMEOUT)
+    assert router.fleet.get("d0").ejected is None
+    # With the connection free, the same probe runs and a healthy engine passes it.
+    await router._suspect_probe("d0", FailureClass.TIMEOUT)
+    assert router.fleet.get("d0").ejected is None
