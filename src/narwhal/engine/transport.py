@@ -12,7 +12,7 @@ import asyncio
 import socket
 import ssl
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -117,6 +117,11 @@ class EngineClient:
             self.control_in_use -= 1
             self._control.release()
 
+    def _slot(self, pool: PoolKind, wait_s: float) -> AbstractAsyncContextManager[None]:
+        """The control pool waits for a free connection first; the data pool's gate is the
+        data plane's own (`dataplane/pool.py`)."""
+        return self.control_slot(wait_s) if pool is PoolKind.CONTROL else nullcontext()
+
     async def post(
         self,
         pool: PoolKind,
@@ -127,25 +132,14 @@ class EngineClient:
         timeout_class: FailureClass = FailureClass.TIMEOUT,
     ) -> Reply:
         """POST and read the whole reply; raises EngineFailure on transport trouble."""
-        if pool is PoolKind.CONTROL:
-            async with self.control_slot(timeout_s):
-                return await self._post(pool, url, body, headers, timeout_s, timeout_class)
-        return await self._post(pool, url, body, headers, timeout_s, timeout_class)
-
-    async def _post(
-        self,
-        pool: PoolKind,
-        url: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        timeout_s: float,
-        timeout_class: FailureClass,
-    ) -> Reply:
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self._sessions[pool].post(url, data=body, headers=headers) as resp:
-                    data = await resp.read()
-                    return Reply(resp.status, data, resp.content_type)
+            async with (
+                self._slot(pool, timeout_s),
+                asyncio.timeout(timeout_s),
+                self._sessions[pool].post(url, data=body, headers=headers) as resp,
+            ):
+                data = await resp.read()
+                return Reply(resp.status, data, resp.content_type)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise classify_exception(exc, timeout_class) from None
 
@@ -156,19 +150,14 @@ class EngineClient:
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
     ) -> Reply:
-        if pool is PoolKind.CONTROL:
-            async with self.control_slot(timeout_s):
-                return await self._get(pool, url, timeout_s, headers)
-        return await self._get(pool, url, timeout_s, headers)
-
-    async def _get(
-        self, pool: PoolKind, url: str, timeout_s: float, headers: Mapping[str, str] | None
-    ) -> Reply:
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self._sessions[pool].get(url, headers=headers) as resp:
-                    data = await resp.read()
-                    return Reply(resp.status, data, resp.content_type)
+            async with (
+                self._slot(pool, timeout_s),
+                asyncio.timeout(timeout_s),
+                self._sessions[pool].get(url, headers=headers) as resp,
+            ):
+                data = await resp.read()
+                return Reply(resp.status, data, resp.content_type)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise classify_exception(exc, FailureClass.TIMEOUT) from None
 
