@@ -31,7 +31,7 @@ class RunSpec:
     prompt_words: int = 32
     ramp_s: float = 0.0
     warmup_requests: int = 0
-    records: bool = False  # return every request's (start, end, outcome)
+    records: bool = False  # every request's (start, end, outcome, streamed, midstream)
     stall_ms: float = 1000.0  # a gap between two chunks of one stream longer than this stalls
     # Paired (c=1): each round sends one request to each of these ("" = direct) in rotated
     # order, so slow drift in the machine's speed hits every target alike.
