@@ -324,8 +324,8 @@ class Router:
         return verdict
 
     async def continue_sequence(self) -> None:
-        """Without --resume nothing saved is applied, but the sequence still continues from
-        the file's, so the handoff's sequence stays monotonic across restarts (DESIGN §4)."""
+        """Continue the sequence from the saved file's even when nothing saved is applied (no
+        --resume, or a refused one), so it stays monotonic across restarts (DESIGN §4)."""
         try:
             raw = await asyncio.to_thread(read_handoff, self.handoff.path)
             sequence = orjson.loads(raw)["sequence"] if raw else None
@@ -399,8 +399,7 @@ class Router:
         await self.client.start()
         if self.resume:
             await self.apply_saved_state()
-        else:
-            await self.continue_sequence()
+        await self.continue_sequence()
         if self.ownership is not None:
             await self.ownership.start(self.standby)
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)

@@ -35,7 +35,7 @@ from narwhal.clock import SystemClock
 from narwhal.config import parse_config
 from narwhal.control.fleet import Fleet
 from narwhal.control.holds import Hold, HoldName
-from narwhal.state.atomic import Filesystem
+from narwhal.state.atomic import Filesystem, host_tag
 from narwhal.state.handoff import build_document, load_schema
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter, router_config
@@ -327,9 +327,9 @@ async def test_resume_removes_temporary_files_of_dead_writers(
     path = first.router.handoff.path
     await first_router_state(first, fs, lambda d: True)
     gone = await asyncio.to_thread(dead_pid)
-    stale = path.with_name(f".handoff.json.{gone}.0badc0de.tmp")
+    stale = path.with_name(f".handoff.json.{gone}.{host_tag()}.0badc0de.tmp")
     stale.write_bytes(b'{"partial": ')
-    live_tmp = path.with_name(f".handoff.json.{os.getpid()}.feedf00d.tmp")
+    live_tmp = path.with_name(f".handoff.json.{os.getpid()}.{host_tag()}.feedf00d.tmp")
     live_tmp.write_bytes(b'{"in progress": ')
 
     await start_router(live, router_kwargs={"resume": True})
@@ -423,8 +423,9 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
     caplog.set_level(logging.INFO, logger="narwhal.router")
     path = tmp_path / "state" / "handoff.json"
     path.parent.mkdir()
-    if make is not None:
-        path.write_bytes(make(live, tmp_path))
+    refused = make(live, tmp_path) if make is not None else None
+    if refused is not None:
+        path.write_bytes(refused)
 
     rr = await start_router(live, router_kwargs={"resume": True})
     verdict = rr.router.resume_verdict
@@ -441,11 +442,20 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
     assert all(e["eligible"] for e in engines.values())
     assert (await get(rr.url + "/ready")) == (200, "ready")
     assert await complete(rr) == 200
-    # Its own handoff replaces the refused one, numbered from the start.
+    # Its own handoff replaces the refused one; the sequence goes on from the refused file's
+    # own number when it has one (never backwards), else from the start.
     await eventually(lambda: rr.router.handoff.writes >= 1, what="a fresh document")
     doc = read_doc(path)
     assert doc["writer"]["router_id"] == "test-router"
-    assert rr.router.handoff.sequence == rr.router.handoff.writes
+    assert rr.router.handoff.sequence == _saved_sequence(refused) + rr.router.handoff.writes
+
+
+def _saved_sequence(raw: bytes | None) -> int:
+    try:
+        sequence = json.loads(raw or b"")["sequence"]
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return sequence if isinstance(sequence, int) else 0
 
 
 @pytest.mark.parametrize("case", ["applied", "refused"])

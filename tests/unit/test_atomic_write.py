@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.state.atomic import Filesystem, atomic_write, remove_stale_temps, temp_name
+from narwhal.state.atomic import (
+    Filesystem,
+    atomic_write,
+    host_tag,
+    remove_stale_temps,
+    temp_name,
+)
 
 OLD = b'{"document": "old"}'
 NEW = b'{"document": "new", "padding": "' + b"x" * 100_000 + b'"}'
@@ -301,14 +307,17 @@ def dead_pid() -> int:
 
 def test_remove_stale_temps_removes_only_dead_writers_temporary_files(dest: Path) -> None:
     atomic_write(dest, OLD)
-    gone = dead_pid()
-    stale = [dest.with_name(f".handoff.json.{gone}.{tag}.tmp") for tag in ("00aa11bb", "ff")]
-    live = dest.with_name(f".handoff.json.{os.getpid()}.0123abcd.tmp")
+    gone, host = dead_pid(), host_tag()
+    stale = [dest.with_name(f".handoff.json.{gone}.{host}.{t}.tmp") for t in ("00aa11bb", "ff")]
+    live = dest.with_name(f".handoff.json.{os.getpid()}.{host}.0123abcd.tmp")
+    elsewhere = "0" * 8 if host != "0" * 8 else "1" * 8
     others = [
-        dest.with_name(f".other.json.{gone}.00aa11bb.tmp"),  # another destination's
-        dest.with_name(f"handoff.json.{gone}.00aa11bb.tmp"),  # not hidden: not our pattern
-        dest.with_name(f".handoff.json.{gone}.XYZ.tmp"),  # not hex
-        dest.with_name(f".handoff.json.{gone}.00aa11bb.tmp.bak"),
+        dest.with_name(f".other.json.{gone}.{host}.00aa11bb.tmp"),  # another destination's
+        dest.with_name(f"handoff.json.{gone}.{host}.00aa11bb.tmp"),  # not hidden: not ours
+        dest.with_name(f".handoff.json.{gone}.{host}.XYZ.tmp"),  # not hex
+        dest.with_name(f".handoff.json.{gone}.{host}.00aa11bb.tmp.bak"),
+        # Another host's writer (a shared directory): its pid means nothing here.
+        dest.with_name(f".handoff.json.{gone}.{elsewhere}.00aa11bb.tmp"),
         dest.with_name("notes.txt"),
     ]
     for path in (*stale, live, *others):

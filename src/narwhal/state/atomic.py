@@ -8,9 +8,11 @@ File-system calls go through `Filesystem`, the seam tests use to inject write er
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
+import socket
 from pathlib import Path
 
 
@@ -43,9 +45,15 @@ class Filesystem:
             os.close(fd)
 
 
+def host_tag() -> str:
+    """Eight hex digits naming this host: a pid is only meaningful on the host that made it."""
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
 def temp_name(dest: Path) -> Path:
-    """`.<name>.<pid>.<random>.tmp` beside the destination: unique per process and write."""
-    return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    """`.<name>.<pid>.<host>.<random>.tmp` beside the destination: unique per process and
+    write, and judged only by routers on the same host (the directory may be shared)."""
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{host_tag()}.{secrets.token_hex(4)}.tmp")
 
 
 def atomic_write(dest: Path, data: bytes, mode: int = 0o600, fs: Filesystem | None = None) -> None:
@@ -79,12 +87,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(dest: Path) -> list[Path]:
-    """Remove temporary files left by writers that died mid-write (their pid is gone).
+    """Remove temporary files left by writers on this host that died mid-write (their pid is
+    gone). Another host's files are left alone: its pids mean nothing here, and one of them
+    may be a write in progress (on a shared directory).
 
     Called at start: a killed writer cannot clean up, so its leftovers are bounded by the
     number of writer crashes between two starts.
     """
-    pattern = re.compile(rf"^\.{re.escape(dest.name)}\.(\d+)\.[0-9a-f]+\.tmp$")
+    here = host_tag()
+    pattern = re.compile(rf"^\.{re.escape(dest.name)}\.(\d+)\.([0-9a-f]{{8}})\.[0-9a-f]+\.tmp$")
     removed: list[Path] = []
     try:
         entries = list(dest.parent.iterdir())
@@ -92,7 +103,7 @@ def remove_stale_temps(dest: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = pattern.match(entry.name)
-        if match and not _pid_alive(int(match[1])):
+        if match and match[2] == here and not _pid_alive(int(match[1])):
             try:
                 entry.unlink()
                 removed.append(entry)
