@@ -33,7 +33,7 @@ WRITER = Path(__file__).resolve().parents[1] / "support" / "handoff_writer_proc.
 LANES = 4
 KILLS_PER_LANE = 75  # 300 kills in all
 SIZE = 32 * 1024
-TEMP = re.compile(r"^\.handoff\.json\.(\d+)\.[0-9a-f]+\.tmp$")
+TEMP = re.compile(r"^\.handoff\.json\.(\d+)\.[0-9a-f]{8}\.[0-9a-f]+\.tmp$")  # pid, host, random
 
 
 def spawn(dest: Path, writer: str, start: int, count: int, size: int) -> subprocess.Popen[bytes]:
