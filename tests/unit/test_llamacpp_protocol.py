@@ -14,13 +14,12 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import EngineConfig, Role
-from narwhal.engine.adapter import HandoffRefused, SlotsBusy, Unreadable
+from narwhal.engine.adapter import HandoffRefused, SlotsBusy, Unreadable, finished_in_prefill
 from narwhal.engine.llamacpp import (
     LlamaCppAdapter,
     SlotHandoff,
     SlotLayout,
     decode_body,
-    finished_in_prefill,
     layout_conflict,
     prefill_body,
     read_layout,

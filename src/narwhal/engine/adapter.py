@@ -19,6 +19,28 @@ Endpoint = Literal["completions", "chat"]
 PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
+# Client fields that do not apply to a one-token, non-streamed prefill.
+_STRIPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def one_token_body(client_body: dict[str, Any]) -> dict[str, Any]:
+    """What every API's prefill leg starts from: the client's body, one token, not streamed."""
+    body = {k: v for k, v in client_body.items() if k not in _STRIPPED_FOR_PREFILL}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    return body
+
+
+def finished_in_prefill(response: Any) -> bool:
+    """The prefill's one token ended the request (`finish_reason: "stop"`)."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("finish_reason") == "stop"
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Unreadable:
     """The prefill answered, but its handoff cannot be used (a kv_handoff failure)."""

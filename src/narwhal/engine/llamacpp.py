@@ -37,6 +37,8 @@ from narwhal.engine.adapter import (
     PrefillReply,
     SlotsBusy,
     Unreadable,
+    finished_in_prefill,
+    one_token_body,
 )
 from narwhal.engine.failures import EngineFailure, FailureClass, classify_status
 from narwhal.engine.slots import SlotPool
@@ -46,7 +48,6 @@ log = logging.getLogger("narwhal.llamacpp")
 
 # Client fields that would steer the engine's slots or KV: the router owns those.
 _ROUTER_OWNED = ("id_slot", "cache_prompt", "kv_transfer_params", "n_predict")
-_STRIPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +98,7 @@ def clean_body(client_body: dict[str, Any]) -> dict[str, Any]:
 
 def prefill_body(client_body: dict[str, Any], slot: int) -> dict[str, Any]:
     """One token, not streamed, on the router's slot, keeping the prompt's KV in that slot."""
-    body = {k: v for k, v in clean_body(client_body).items() if k not in _STRIPPED_FOR_PREFILL}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
+    body = one_token_body(clean_body(client_body))
     body["id_slot"] = slot
     body["cache_prompt"] = True
     return body
@@ -112,13 +109,6 @@ def decode_body(client_body: dict[str, Any], slot: int) -> dict[str, Any]:
     body["id_slot"] = slot
     body["cache_prompt"] = True
     return body
-
-
-def finished_in_prefill(parsed: Any) -> bool:
-    choices = parsed.get("choices") if isinstance(parsed, dict) else None
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("finish_reason") == "stop"
-    return False
 
 
 def saved_tokens(status: int, body: bytes) -> int | Unreadable:

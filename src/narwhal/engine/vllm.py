@@ -21,6 +21,8 @@ from narwhal.engine.adapter import (
     FinishedInPrefill,
     PrefillReply,
     Unreadable,
+    finished_in_prefill,
+    one_token_body,
 )
 from narwhal.engine.failures import EngineFailure, FailureClass
 from narwhal.engine.transport import EngineClient, PoolKind, control_get
@@ -33,8 +35,6 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-
-_STRIPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 # Required handoff fields and the JSON types each must have (bool is not an int here).
 _HANDOFF_FIELDS: dict[str, tuple[type, ...]] = {
@@ -58,11 +58,7 @@ HandoffResult = Handoff | Unreadable | FinishedInPrefill
 
 def prefill_body(client_body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's body: one token, not streamed, asking the engine to keep the KV."""
-    body = {k: v for k, v in client_body.items() if k not in _STRIPPED_FOR_PREFILL}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
+    body = one_token_body(client_body)
     body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     return body
 
@@ -81,19 +77,12 @@ def strip_client_kv_params(client_body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in client_body.items() if k != "kv_transfer_params"}
 
 
-def _finish_reason(response: dict[str, Any]) -> Any:
-    choices = response.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("finish_reason")
-    return None
-
-
 def extract_handoff(response: Any) -> HandoffResult:
     """Read the handoff from a prefill response, or say why it is unreadable."""
     if not isinstance(response, dict):
         return Unreadable("prefill response is not a JSON object")
     params = response.get("kv_transfer_params")
-    if params is None and _finish_reason(response) == "stop":
+    if params is None and finished_in_prefill(response):
         return FinishedInPrefill()
     if "kv_transfer_params" not in response:
         return Unreadable("kv_transfer_params missing")
