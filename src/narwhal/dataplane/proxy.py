@@ -335,7 +335,10 @@ class DataPlane:
             engine = self._place(Role.BOTH, tried)
             tried.add(engine.id)
             body = self._adapters(engine.config).unified_body(req.body)
-            return await self._final_leg(req, request, deadline, attempt, engine, body, "unified")
+            headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+            return await self._final_leg(
+                req, request, deadline, attempt, engine, body, headers, "unified"
+            )
         if not self._fleet.candidates(Role.DECODE, self._clock.monotonic()):
             raise NoCapacity(Role.DECODE)  # never spend a prefill whose KV nobody can read
         prefill = self._place(Role.PREFILL, tried)
@@ -421,7 +424,7 @@ class DataPlane:
             except SlotsBusy as exc:
                 raise Saturated(str(exc)) from None
             return await self._final_leg(
-                req, request, deadline, attempt, engine, body, "decode", producer=prefill
+                req, request, deadline, attempt, engine, body, headers, "decode", producer=prefill
             )
 
     async def _final_leg(
@@ -432,12 +435,12 @@ class DataPlane:
         attempt: _Attempt,
         engine: EngineState,
         body: dict[str, Any],
+        headers: dict[str, Any],
         leg: str,
         producer: EngineState | None = None,
     ) -> web.StreamResponse:
         """The leg whose answer goes to the client; `producer` made the handoff it used."""
         url = engine.config.url + PATHS[req.endpoint]
-        headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
         self._stats.request(engine.id)
         with self._in_flight(engine):
             if not req.stream:
