@@ -10,12 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
 from tests.support.etcd import free_port
-from tests.support.poll import eventually
+from tests.support.poll import eventually, until_ready
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -61,17 +60,7 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
     )  # fmt: skip
     engines: list[int] = []
     try:
-        async with aiohttp.ClientSession() as http:
-
-            async def ready() -> bool:
-                assert proc.returncode is None, log_path.read_text()
-                try:
-                    async with http.get(url + "/ready") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientConnectionError:
-                    return False
-
-            await eventually(ready, timeout_s=START_TIMEOUT_S, interval_s=0.1, what="demo ready")
+        await until_ready(url + "/ready", proc, log_path, timeout_s=START_TIMEOUT_S, what="demo")
         engines = _children(proc.pid)
         assert len(engines) == 4, "2 prefill + 2 decode narwhal-sim processes"
 

@@ -11,13 +11,12 @@ import socket
 import subprocess
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
 from tests.support.etcd import free_port
 from tests.support.llama import REPO, llama_binaries
-from tests.support.poll import eventually
+from tests.support.poll import eventually, until_ready
 
 pytestmark = pytest.mark.llama
 
@@ -50,17 +49,7 @@ async def test_demo_real_serves_a_pd_completion_and_stops_on_sigint(tmp_path: Pa
             start_new_session=True,  # its own process group, as a terminal would give it
         )
     try:
-        async with aiohttp.ClientSession() as http:
-
-            async def ready() -> bool:
-                assert proc.returncode is None, log_path.read_text()
-                try:
-                    async with http.get(url + "/ready") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientConnectionError:
-                    return False
-
-            await eventually(ready, timeout_s=120, interval_s=0.2, what="demo-real ready")
+        await until_ready(url + "/ready", proc, log_path, timeout_s=120, what="demo-real")
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         try:
             answer = await client.completions.create(
