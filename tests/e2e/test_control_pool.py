@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.clock import SystemClock
 from narwhal.config import EngineConfig, Role
@@ -28,6 +30,18 @@ from tests.support.sim_process import SimFactory
 
 PREFILL = ("--role", "prefill", "--kv-role", "kv_producer")
 DECODE = ("--role", "decode", "--kv-role", "kv_consumer")
+
+
+async def _control_in_use(url: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "narwhal_pool_connections_in_use" and sample.labels == {
+                "pool": "control"
+            }:
+                return sample.value
+    raise AssertionError("narwhal_pool_connections_in_use{pool=control} not exported")
 
 
 def _state(engine_id: str, url: str, role: Role) -> EngineState:
@@ -103,6 +117,7 @@ async def test_a_suspect_probe_that_cannot_get_a_control_connection_ejects_nothi
     router = rr.router
     # Something else holds the only control connection for longer than the probe may wait.
     async with router.client.control_slot(5.0):
+        assert await _control_in_use(rr.url) == 1.0  # exported, read at scrape time
         await router._suspect_probe("d0", FailureClass.TIMEOUT)
     assert router.fleet.get("d0").ejected is None
     # With the connection free, the same probe runs and a healthy engine passes it.

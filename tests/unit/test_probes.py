@@ -1,9 +1,10 @@
-"""Inference probes: whose fault a refused handoff is.
+"""Inference probes: whose fault a refused handoff, or a busy control pool, is.
 
 A handoff the decode engine cannot use is a `kv_handoff` failure of the engine that produced it
 (DESIGN §1). So a probe of a prefill engine whose handoff its decode peer refuses fails that
 prefill engine; a probe of a decode engine that refuses its prefill peer's handoff is
-inconclusive (the peer failed), never an ejection of the decode engine.
+inconclusive (the peer failed), never an ejection of the decode engine. A probe that cannot get
+a control connection never asked the engine anything: inconclusive too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.probes import InferenceProber, Verdict
 from narwhal.engine.adapter import HandoffRefused, PrefillReply
 from narwhal.engine.failures import FailureClass
-from narwhal.engine.transport import EngineClient
+from narwhal.engine.transport import ControlPoolBusy, EngineClient
 from narwhal.telemetry.metrics import Metrics
 from tests.support.router import router_config
 
@@ -45,6 +46,13 @@ class RefusingDecode:
 
     def recomputed(self, final: bytes | None) -> str | None:
         return None
+
+
+class BusyControlPool(RefusingDecode):
+    """A fake adapter whose prefill found no free control connection."""
+
+    async def prefill(self, *args: Any) -> PrefillReply:
+        raise ControlPoolBusy(5.0)
 
 
 def _prober(tmp_path: Path, adapter: RefusingDecode) -> tuple[InferenceProber, Fleet]:
@@ -83,3 +91,10 @@ async def test_a_prefill_probe_whose_handoff_is_refused_fails_the_prefill(tmp_pa
     assert result.verdict is Verdict.FAILED, result
     assert result.failure_class is FailureClass.KV_HANDOFF
     assert adapter.discarded == ["a-handoff"]
+
+
+async def test_a_probe_without_a_control_connection_is_inconclusive(tmp_path: Path) -> None:
+    prober, fleet = _prober(tmp_path, BusyControlPool())
+    result = await prober.probe(fleet.get("p0"))
+    assert result.verdict is Verdict.INCONCLUSIVE, result
+    assert "no control connection" in result.reason
