@@ -253,6 +253,10 @@ async def test_the_document_records_lease_ownership_and_only_the_active_writes(
         standby={"active_url": active.url, "takeover_threshold": 100},
         router_kwargs={"standby": True},
     )
+    # Read before the standby's first step: it names the holder from its first answer.
+    assert standby.router.ownership is not None
+    seen = standby.router.ownership.to_json()
+    assert (seen["role"], seen["holder"], seen["epoch"]) == ("standby", "test-router", epoch)
     writes = active.router.handoff.writes
     await eventually(lambda: active.router.handoff.writes >= writes + 3, what="more writes")
     assert standby.router.handoff.writes == 0

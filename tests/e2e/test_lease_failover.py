@@ -405,7 +405,12 @@ async def pair(
 
         async def b_following() -> bool:
             lease_b = await http.lease(b)
-            return bool(lease_b and lease_b["role"] == "standby" and lease_b["followed_sequence"])
+            return bool(
+                lease_b
+                and lease_b["role"] == "standby"
+                and lease_b["followed_sequence"]
+                and lease_b["epoch"] is not None
+            )
 
         await eventually(b_following, timeout_s=10, what="router-b following as standby")
         yield p
@@ -536,7 +541,7 @@ async def _degrade_active_until_takeover(pair: Pair) -> Takeover:
         return None
 
     def taken_over() -> float | None:
-        return next((when for when, _, e in trace if e != old_epoch), None)
+        return next((when for when, _, e in trace if e is not None and e != old_epoch), None)
 
     poller = asyncio.create_task(follow_b())
     try:

@@ -58,10 +58,12 @@ class Ownership:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self, standby: bool) -> None:
-        """A non-standby router takes a free or expired lease at start; else it follows."""
+        """A non-standby router takes a free or expired lease at start; else it follows,
+        and reads the lease so that /admin/lease names the holder from the first answer."""
         if not standby:
             await self.keeper.try_acquire(preempt=False)
         if self.keeper.role is not Role.ACTIVE:
+            await self.keeper.observe()
             await self.follow()
         self._publish()
 
