@@ -164,7 +164,7 @@ def _value_at(cfg: Config, key: str) -> Any:
 
 
 # Defaults the docs state in words, because they are derived from other keys; each is checked below.
-DERIVED = {"router_id", "engines[].kv_role", "lease.renew_deadline_s"}
+DERIVED = {"router_id", "engines[].kv_role", "lease.renew_deadline_s", "lease.backend"}
 
 
 def test_every_key_is_documented_and_in_the_example() -> None:
@@ -207,6 +207,11 @@ def test_derived_defaults() -> None:
     assert cfg.router_id is None
     assert cfg.effective_router_id == cfg.listen == "127.0.0.1:8080"
     assert cfg.lease.effective_renew_deadline_s == pytest.approx(0.75 * cfg.lease.ttl_s)
+    # `file` is the embedded lease backend once a lease section is given; none without one.
+    assert cfg.lease.backend == "none"
+    assert parse_config({**MINIMAL, "lease": {}}).lease.backend == "file"
+    timings_only = {"ttl_s": 5, "renew_interval_s": 1}
+    assert parse_config({**MINIMAL, "lease": timings_only}).lease.backend == "file"
     both = parse_config(
         edited(MINIMAL, {"engines": [{"id": "b0", "url": "http://127.0.0.1:9001", "role": "both"}]})
     )
@@ -389,6 +394,20 @@ BAD = [
     pytest.param(Raw("model: [demo-model\n"), "(file)", "not valid YAML", id="invalid-yaml"),
     pytest.param(Raw("model: demo\n\tengines: []\n"), "(file)", "not valid YAML",
                  id="invalid-yaml-tab"),
+    pytest.param(Raw("serving: {? [a, b] : 1}\n"), "serving", "not a list", id="list-as-key"),
+    pytest.param(Raw("serving: {? {a: 1} : 1}\n"), "serving", "not a mapping",
+                 id="mapping-as-key"),
+    pytest.param(Raw("? [model, engines]\n: 1\n"), "(top level)", "not a list",
+                 id="list-as-top-level-key"),
+    pytest.param(Raw("serving:\n  max_connections: 1\n  max_connections: 2\n"),
+                 "serving.max_connections", "duplicate key", id="duplicate-nested-key"),
+    pytest.param(Raw("engines:\n- id: p0\n  id: p1\n"), "engines[0].id", "duplicate key",
+                 id="duplicate-key-in-engine"),
+    pytest.param(Raw("model: a\nlease: {backend: file, ttl_s: 10, ttl_s: 5}\n"), "lease.ttl_s",
+                 "duplicate key", id="duplicate-key-in-flow-mapping"),
+    # The lease file and the handoff document are separate files.
+    pytest.param({"lease.path": "state/h.json", "handoff.path": "./state/h.json"}, "lease.path",
+                 "handoff.path", id="lease-path-is-handoff-path"),
 ]  # fmt: skip
 
 
@@ -461,6 +480,37 @@ def test_duplicate_yaml_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(write_config(tmp_path, Raw(text)))
     assert keys_of(info.value.problems) == ["model"]
+
+
+def test_a_nested_duplicate_deeper_down_names_the_full_path(tmp_path: Path) -> None:
+    text = yaml.safe_dump(BASE, sort_keys=False).replace(
+        "  role: decode\n", "  role: decode\n  role: prefill\n", 1
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, Raw(text)))
+    assert keys_of(info.value.problems) == ["engines[2].role"]
+
+
+def test_the_same_key_in_different_mappings_is_not_a_duplicate(tmp_path: Path) -> None:
+    # `path` in handoff and in lease, `id` in every engine: only repeats within one mapping count.
+    source = {"handoff.path": "state/h.json", "lease.path": "state/l.json"}
+    cfg = load_config(write_config(tmp_path, source))
+    assert (cfg.handoff.path, cfg.lease.path) == ("state/h.json", "state/l.json")
+
+
+def test_yaml_anchors_and_merges_are_not_duplicates(tmp_path: Path) -> None:
+    text = yaml.safe_dump(BASE, sort_keys=False) + (
+        "engine: &timeouts {health_timeout_s: 2.0}\n"
+        "controller:\n  <<: {monitor_interval_s: 0.5}\n  monitor_interval_s: 0.25\n"
+    )
+    cfg = load_config(write_config(tmp_path, Raw(text)))
+    assert (cfg.engine.health_timeout_s, cfg.controller.monitor_interval_s) == (2.0, 0.25)
+
+
+@pytest.mark.parametrize("backend", ["none", "etcd"])
+def test_lease_path_may_equal_handoff_path_without_a_lease_file(backend: str) -> None:
+    edits = {"lease.backend": backend, "lease.path": "state/h.json", "handoff.path": "state/h.json"}
+    assert parse_config(edited(BASE, edits)).lease.backend == backend
 
 
 def test_infinite_duration_is_refused() -> None:

@@ -196,7 +196,9 @@ class HandoffConfig(_Section):
 
 
 class LeaseConfig(_Section):
-    backend: Literal["none", "file", "etcd"] = "none"
+    # `file` is the embedded default (DESIGN §5) once a lease section is given; a config with no
+    # lease section at all runs a single router (`Config.lease` defaults to backend `none`).
+    backend: Literal["none", "file", "etcd"] = "file"
     path: str = "state/lease.json"
     endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
     key: str = "/narwhal/lease"
@@ -301,6 +303,11 @@ class AttestationConfig(_Section):
         return self
 
 
+def _same_path(a: str, b: str) -> bool:
+    """Whether two configured paths name the same file (relative to the working directory)."""
+    return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
+
+
 def _parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
@@ -318,7 +325,7 @@ class Config(_Section):
     controller: ControllerConfig = ControllerConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     handoff: HandoffConfig = HandoffConfig()
-    lease: LeaseConfig = LeaseConfig()
+    lease: LeaseConfig = LeaseConfig(backend="none")
     standby: StandbyConfig = StandbyConfig()
     admin: AdminConfig = AdminConfig()
     attestation: AttestationConfig = AttestationConfig()
@@ -352,6 +359,10 @@ class Config(_Section):
                     f"engines[{i}].api: {eng.api} differs from engines[0].api "
                     f"{self.engines[0].api}; a fleet speaks one engine API"
                 )
+        if self.lease.backend == "file" and _same_path(self.lease.path, self.handoff.path):
+            raise ValueError(
+                f"lease.path: the lease file must differ from handoff.path ({self.lease.path!r})"
+            )
         roles = {e.role for e in self.engines}
         if Role.BOTH not in roles and roles != {Role.PREFILL, Role.DECODE}:
             missing = ({Role.PREFILL, Role.DECODE} - roles).pop()
@@ -430,30 +441,58 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError([f"(file): cannot read {path}: {exc.strerror or exc}"]) from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)
-    except _DuplicateKey as exc:
-        raise ConfigError([f"{exc.key}: duplicate key"]) from None
+    except _KeyProblem as exc:
+        raise ConfigError([exc.problem]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"(file): {path} is not valid YAML: {_yaml_problem(exc)}"]) from None
     return parse_config(data)
 
 
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
+class _KeyProblem(yaml.YAMLError):
+    """A mapping key the config cannot have (repeated, or not a plain value), as `key: problem`."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses duplicate keys instead of keeping the last one."""
+    """A SafeLoader that refuses duplicate and non-scalar keys instead of keeping the last one
+    or crashing; problems name the full key path (`serving.max_connections`)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(str(key))
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_keys(node, "", set())
+        return super().construct_document(node)
+
+    def _check_keys(self, node: yaml.Node, path: str, visited: set[int]) -> None:
+        # Checked on the node graph before construction: nested mappings are built lazily, so
+        # construct_mapping cannot know its parent's path. Aliases may repeat (or cycle).
+        if id(node) in visited:
+            return
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_keys(item, f"{path}[{i}]", visited)
+        elif isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, value_node in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    self._check_keys(value_node, path, visited)
+                    continue
+                if not isinstance(key_node, yaml.ScalarNode):
+                    kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+                    raise _KeyProblem(
+                        f"{path or '(top level)'}: a key must be a plain value, not a {kind}"
+                    )
+                key = self.construct_object(key_node)
+                key_path = f"{path}.{key}" if path else str(key)
+                if key in seen:
+                    raise _KeyProblem(f"{key_path}: duplicate key")
+                seen.add(key)
+                self._check_keys(value_node, key_path, visited)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
