@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -183,6 +184,8 @@ class ControllerConfig(_Section):
     drift_intervals: PositiveInt = 2
     drift_hold_s: PositiveFloat = 300.0
     rebalance_roles: bool = False
+    rebalance_min_eligible: PositiveInt = 2
+    rebalance_max_in_flight: NonNegativeInt = 1
 
 
 class RecoveryConfig(_Section):

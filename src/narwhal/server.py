@@ -12,7 +12,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,7 @@ class Router:
             self.metrics,
             self.stats,
             self.readmission.verify_kv_role,
+            spawn=self._spawn,
         )
         self.handoff = HandoffWriter(
             Path(config.handoff.path),
@@ -214,6 +215,13 @@ class Router:
         await self.health.health(now)
         if self._tasks is not None:
             self.prober.schedule(self._tasks.create_task)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A background task in the serving task group (shutdown cancels it), or a plain
+        task when the router is driven without `run` (tests)."""
+        if self._tasks is not None:
+            return self._tasks.create_task(coro)
+        return asyncio.get_running_loop().create_task(coro)
 
     # ------------------------------------------------------------------ evidence actions
     def _on_evidence_action(

@@ -10,6 +10,7 @@ hold in enforce mode and its deadline, detect mode, last-engine protection throu
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -345,8 +346,8 @@ async def test_admin_stats_and_engines_show_drift_and_risk(
     assert [h["name"] for h in p2["holds"]] == ["performance_drift"]
     assert p2["eligible"] is False
     assert body["consolidation_risk"] == {
-        "prefill": {"eligible": 2, "busiest_share": 0.0, "high": False},
-        "decode": {"eligible": 2, "busiest_share": 0.0, "high": False},
+        "prefill": {"eligible": 2, "busiest_share": pytest.approx(1 / 3), "high": False},
+        "decode": {"eligible": 2, "busiest_share": 0.5, "high": False},
     }
 
 
@@ -354,10 +355,8 @@ async def test_admin_stats_and_engines_show_drift_and_risk(
 async def test_consolidation_risk_counts_eligible_engines_per_role(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     fleet = rig.router.fleet
-    rig.engine("p0").in_flight = 3
-    rig.engine("p1").in_flight = 1
     risk = consolidation_risk(fleet, rig.now)
-    assert risk["prefill"] == {"eligible": 3, "busiest_share": 0.75, "high": False}
+    assert risk["prefill"] == {"eligible": 3, "busiest_share": 0.0, "high": False}
     assert risk["decode"] == {"eligible": 2, "busiest_share": 0.0, "high": False}
     rig.eject("d0")
     assert consolidation_risk(fleet, rig.now)["decode"]["high"] is True
@@ -373,30 +372,91 @@ async def test_consolidation_risk_counts_eligible_engines_per_role(tmp_path: Pat
     assert rig.metric("narwhal_consolidation_risk_high", role="prefill") == 0
 
 
+def traffic(rig: Rig, requests: Mapping[str, int]) -> None:
+    for engine_id, n in requests.items():
+        for _ in range(n):
+            rig.router.stats.request(engine_id)
+
+
+async def test_busiest_share_comes_from_the_last_closed_interval(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    traffic(rig, {"p0": 6, "p1": 3, "p2": 1, "d0": 5, "d1": 5})
+    rig.engine("p1").in_flight = 7  # the instantaneous count plays no part
+    await rig.controller()
+    assert rig.router.small.risk["prefill"]["busiest_share"] == 0.0  # nothing closed yet
+    assert rig.metric("narwhal_consolidation_busiest_share", role="prefill") == 0.0
+
+    rig.clock.advance(INTERVAL_S)
+    assert rig.router.stats.rollover(rig.now) is not None
+    await rig.controller()
+    risk = rig.router.small.risk
+    assert risk["prefill"]["busiest_share"] == pytest.approx(0.6)
+    assert risk["decode"]["busiest_share"] == pytest.approx(0.5)
+    assert rig.metric("narwhal_consolidation_busiest_share", role="prefill") == pytest.approx(0.6)
+    assert rig.metric("narwhal_consolidation_busiest_share", role="decode") == pytest.approx(0.5)
+
+    # While idle the share keeps describing the last closed interval, not 0.0...
+    rig.engine("p1").in_flight = 0
+    await rig.controller()
+    assert rig.router.small.risk["prefill"]["busiest_share"] == pytest.approx(0.6)
+    # ...until an interval closes with traffic on one engine only.
+    traffic(rig, {"p2": 4})
+    rig.clock.advance(INTERVAL_S)
+    rig.router.stats.rollover(rig.now)
+    await rig.controller()
+    assert rig.router.small.risk["prefill"]["busiest_share"] == 1.0
+    assert rig.router.small.risk["decode"]["busiest_share"] == 0.0
+
+
+async def test_a_unified_fleet_reports_one_role_share(tmp_path: Path) -> None:
+    unified = [
+        {"id": f"u{i}", "url": f"http://127.0.0.1:{i + 1}", "role": "both"} for i in range(2)
+    ]
+    rig = make_rig(tmp_path, engines=unified)
+    traffic(rig, {"u0": 1, "u1": 3})
+    rig.clock.advance(INTERVAL_S)
+    rig.router.stats.rollover(rig.now)
+    await rig.controller()
+    assert rig.router.small.risk == {"both": {"eligible": 2, "busiest_share": 0.75, "high": False}}
+
+
 # --------------------------------------------------------------------------- rebalancing
 REBALANCE_FLEET = [
     {"id": "p0", "url": "http://127.0.0.1:1", "role": "prefill", "kv_role": "kv_producer"},
     {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode", "kv_role": "kv_consumer"},
     {"id": "d1", "url": "http://127.0.0.1:3", "role": "decode", "kv_role": "kv_both"},
 ]
+# One prefill engine (too little with the default minimum of 2) against three decode engines.
+THIN_PREFILL = [
+    *REBALANCE_FLEET,
+    {"id": "d2", "url": "http://127.0.0.1:4", "role": "decode", "kv_role": "kv_consumer"},
+]
 
 
-def rebalance_rig(tmp_path: Path, engines: list[dict[str, Any]] = REBALANCE_FLEET) -> Rig:
-    return make_rig(tmp_path, engines=engines, rebalance_roles=True)
+def rebalance_rig(
+    tmp_path: Path, engines: list[dict[str, Any]] = REBALANCE_FLEET, **controller: Any
+) -> Rig:
+    return make_rig(tmp_path, engines=engines, rebalance_roles=True, **controller)
 
 
 @dataclass
 class FakeVerify:
-    """A `verify_role` that answers `ok` and can act while 'verifying'."""
+    """A `verify_role` that answers `ok`, can act while 'verifying', and can be held open."""
 
     ok: bool
     during: Callable[[], None] | None = None
+    gate: asyncio.Event | None = None
+    raises: Exception | None = None
     calls: list[tuple[str, Role]] = field(default_factory=list)
 
     async def __call__(self, engine: EngineState, role: Role) -> tuple[bool, str]:
         self.calls.append((engine.id, role))
+        if self.gate is not None:
+            await self.gate.wait()
         if self.during is not None:
             self.during()
+        if self.raises is not None:
+            raise self.raises
         return self.ok, "fake verification " + ("passed" if self.ok else "failed")
 
 
@@ -405,12 +465,27 @@ def install(rig: Rig, verify: FakeVerify) -> None:
     r.small = SmallStages(r.config, r.fleet, r.lifecycle, r.metrics, r.stats, verify)
 
 
+async def verify_and_apply(rig: Rig) -> None:
+    """One pass starts the background verification; once it is done, the next applies it."""
+    await rig.controller()
+    task = rig.router.small.verification
+    assert task is not None, "no verification was started"
+    await asyncio.wait_for(task, timeout=5)
+    await rig.controller()
+
+
 def pick(rig: Rig) -> tuple[str, Role] | None:
-    found = rebalance_candidate(rig.router.fleet, rig.now)
+    found = rebalance_candidate(rig.router.fleet, rig.now, rig.router.small.rebalance_settings)
     return None if found is None else (found[0].id, found[1])
 
 
-async def test_no_rebalance_while_every_role_has_capacity(tmp_path: Path) -> None:
+def rebalanced(rig: Rig, result: str, src: str = "decode", dst: str = "prefill") -> float | None:
+    return rig.metric("narwhal_role_rebalances_total", from_role=src, to_role=dst, result=result)
+
+
+async def test_no_rebalance_while_every_role_has_enough_capacity(tmp_path: Path) -> None:
+    # One prefill engine is "too little", but decode has only two: moving one would leave
+    # decode no better off than prefill, so nothing moves.
     rig = rebalance_rig(tmp_path)
     assert pick(rig) is None
 
@@ -426,6 +501,31 @@ async def test_an_idle_unheld_kv_both_engine_is_picked_for_the_empty_role(
     assert rig.candidates(Role.DECODE) == {"d0", "d1"}
 
 
+async def test_a_role_with_too_little_capacity_gets_an_engine(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path, engines=THIN_PREFILL)
+    assert rig.candidates(Role.PREFILL) == {"p0"}  # capacity, but below the minimum of 2
+    assert pick(rig) == ("d1", Role.PREFILL)
+
+
+async def test_the_minimum_is_configurable(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path, engines=THIN_PREFILL, rebalance_min_eligible=1)
+    assert pick(rig) is None  # one prefill engine is enough now
+    rig.eject("p0")
+    assert pick(rig) == ("d1", Role.PREFILL)
+
+
+async def test_a_move_is_never_undone_by_the_next_pass(tmp_path: Path) -> None:
+    # After d1 moves, prefill and decode have two each: neither is short any more.
+    rig = rebalance_rig(tmp_path, engines=THIN_PREFILL, rebalance_min_eligible=3)
+    verify = FakeVerify(ok=True)
+    install(rig, verify)
+    await verify_and_apply(rig)
+    assert rig.engine("d1").role is Role.PREFILL
+    assert pick(rig) is None
+    await rig.controller()
+    assert len(verify.calls) == 1
+
+
 async def test_the_move_can_go_the_other_way(tmp_path: Path) -> None:
     rig = rebalance_rig(
         tmp_path,
@@ -439,8 +539,17 @@ async def test_the_move_can_go_the_other_way(tmp_path: Path) -> None:
     assert pick(rig) == ("p0", Role.DECODE)
 
 
-async def test_a_busy_kv_both_engine_is_not_moved(tmp_path: Path) -> None:
+async def test_idle_enough_is_at_or_below_the_in_flight_limit(tmp_path: Path) -> None:
     rig = rebalance_rig(tmp_path)
+    rig.eject("p0")
+    rig.engine("d1").in_flight = 1  # the default limit
+    assert pick(rig) == ("d1", Role.PREFILL)
+    rig.engine("d1").in_flight = 2
+    assert pick(rig) is None
+
+
+async def test_a_busy_kv_both_engine_is_not_moved(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path, rebalance_max_in_flight=0)
     rig.eject("p0")
     rig.engine("d1").in_flight = 1
     assert pick(rig) is None
@@ -488,7 +597,7 @@ async def test_failed_verification_does_not_switch(tmp_path: Path) -> None:
     verify = FakeVerify(ok=False)
     install(rig, verify)
     rig.eject("p0")
-    await rig.controller()
+    await verify_and_apply(rig)
     assert verify.calls == [("d1", Role.PREFILL)]
     assert rig.engine("d1").role is Role.DECODE
     assert rig.candidates(Role.PREFILL) == set()
@@ -501,9 +610,27 @@ async def test_failed_verification_does_not_switch(tmp_path: Path) -> None:
             "reason": "fake verification failed",
         }
     ]
+    assert rebalanced(rig, "verification_failed") == 1
+    assert rebalanced(rig, "moved") == 0
     await rig.router.handoff.stage(rig.now)
     doc = handoff_document(rig)
     assert doc["engines"]["d1"]["role"] == "decode"
+    # Verification sends real requests: it is not retried on the very next pass.
+    await rig.controller()
+    assert rig.router.small.verification is not None
+    assert rig.router.small.verifying is None
+    assert len(verify.calls) == 1
+
+
+async def test_a_verification_that_raises_is_a_failed_verification(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path)
+    verify = FakeVerify(ok=True, raises=RuntimeError("probe exploded"))
+    install(rig, verify)
+    rig.eject("p0")
+    await verify_and_apply(rig)
+    assert rig.engine("d1").role is Role.DECODE
+    assert "RuntimeError: probe exploded" in rig.router.small.rebalances[-1]["reason"]
+    assert rebalanced(rig, "verification_failed") == 1
 
 
 async def test_passed_verification_switches_and_the_role_is_persisted(tmp_path: Path) -> None:
@@ -511,12 +638,13 @@ async def test_passed_verification_switches_and_the_role_is_persisted(tmp_path: 
     verify = FakeVerify(ok=True)
     install(rig, verify)
     rig.eject("p0")
-    await rig.controller()
+    await verify_and_apply(rig)
     assert verify.calls == [("d1", Role.PREFILL)]
     assert rig.engine("d1").role is Role.PREFILL
     assert rig.candidates(Role.PREFILL) == {"d1"}
     assert rig.candidates(Role.DECODE) == {"d0"}
     assert rig.router.small.rebalances[-1]["ok"] is True
+    assert rebalanced(rig, "moved") == 1
     # The risk computed in the same pass already sees the new roles.
     assert rig.router.small.risk["prefill"]["eligible"] == 1
 
@@ -536,6 +664,65 @@ async def test_passed_verification_switches_and_the_role_is_persisted(tmp_path: 
     assert len(verify.calls) == 1
 
 
+async def test_verification_runs_outside_the_monitor_pass(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path)
+    verify = FakeVerify(ok=True, gate=asyncio.Event())
+    install(rig, verify)
+    rig.eject("p0")
+    # The pass returns while verification is still waiting on the engine...
+    await asyncio.wait_for(rig.controller(), timeout=5)
+    await asyncio.sleep(0)  # let the background task reach the engine
+    assert verify.calls == [("d1", Role.PREFILL)]
+    assert rig.router.small.verifying == ("d1", Role.PREFILL)
+    assert rig.engine("d1").role is Role.DECODE
+    # ...later passes neither wait for it nor start a second one...
+    for _ in range(3):
+        rig.clock.advance(1.0)
+        await asyncio.wait_for(rig.controller(), timeout=5)
+    assert len(verify.calls) == 1
+    assert rig.engine("d1").role is Role.DECODE
+    # ...and the pass after it finishes applies the move.
+    assert verify.gate is not None
+    verify.gate.set()
+    task = rig.router.small.verification
+    assert task is not None
+    await asyncio.wait_for(task, timeout=5)
+    assert rig.engine("d1").role is Role.DECODE  # not applied outside a pass
+    await rig.controller()
+    assert rig.engine("d1").role is Role.PREFILL
+
+
+async def test_traffic_during_verification_does_not_cancel_the_move(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path)
+
+    def busy() -> None:
+        rig.engine("d1").in_flight = 5  # d1 is still a decode candidate while verified
+        rig.engine("d0").in_flight = 2
+
+    verify = FakeVerify(ok=True, during=busy)
+    install(rig, verify)
+    rig.eject("p0")
+    await verify_and_apply(rig)
+    assert rig.engine("d1").role is Role.PREFILL
+    assert rebalanced(rig, "moved") == 1
+
+
+async def test_a_hold_during_verification_cancels_the_move(tmp_path: Path) -> None:
+    rig = rebalance_rig(tmp_path)
+    verify = FakeVerify(
+        ok=True,
+        during=lambda: rig.router.lifecycle.hold(
+            rig.engine("d1"), HoldName.PERFORMANCE_DRIFT, "slow", rig.now, duration_s=60
+        ),
+    )
+    install(rig, verify)
+    rig.eject("p0")
+    await verify_and_apply(rig)
+    assert rig.engine("d1").role is Role.DECODE
+    assert "fleet changed during verification" in rig.router.small.rebalances[-1]["reason"]
+    assert rebalanced(rig, "stale") == 1
+
+
 async def test_rebalancing_is_off_unless_configured(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, engines=REBALANCE_FLEET)
     verify = FakeVerify(ok=True)
@@ -543,6 +730,7 @@ async def test_rebalancing_is_off_unless_configured(tmp_path: Path) -> None:
     rig.eject("p0")
     await rig.controller()
     assert verify.calls == []
+    assert rig.router.small.verification is None
     assert rig.engine("d1").role is Role.DECODE
 
 
@@ -553,6 +741,21 @@ async def test_rebalancing_never_empties_the_other_role_during_verification(
     verify = FakeVerify(ok=True, during=lambda: rig.eject("d0"))
     install(rig, verify)
     rig.eject("p0")
-    await rig.controller()
+    await verify_and_apply(rig)
     assert verify.calls == [("d1", Role.PREFILL)]
-    assert rig.candidates(Role.DECODE) != set()
+    assert rig.engine("d1").role is Role.DECODE
+    assert rig.candidates(Role.DECODE) == {"d1"}
+    assert rebalanced(rig, "stale") == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("rebalance_min_eligible", 0),
+        ("rebalance_max_in_flight", -1),
+        ("rebalance_max_in_flight", 1.5),
+    ],
+)
+def test_rebalance_keys_are_validated(tmp_path: Path, key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=key):
+        make_rig(tmp_path, **{key: value})

@@ -201,6 +201,7 @@ def _run(args: argparse.Namespace) -> int:
                 "\nconsolidation risk: "
                 + ", ".join(
                     f"{role} {r['eligible']} eligible{' (HIGH)' if r['high'] else ''}"
+                    f" busiest {r.get('busiest_share', 0.0):.0%}"
                     for role, r in risk.items()
                 )
                 if risk

@@ -203,6 +203,21 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        self.busiest_share = Gauge(
+            "narwhal_consolidation_busiest_share",
+            "The busiest engine's share of a role's requests in the last closed interval",
+            ["role"],
+            registry=r,
+        )
+        self.rebalances = Counter(
+            "narwhal_role_rebalances",
+            "Role rebalancing decisions after verification, by result",
+            ["from_role", "to_role", "result"],
+            registry=r,
+        )
+        for a, b in (("prefill", "decode"), ("decode", "prefill")):
+            for result in ("moved", "verification_failed", "stale"):
+                self.rebalances.labels(a, b, result)  # exported at 0 before the first move
         self.drift_detected = Counter(
             "narwhal_performance_drift_detected",
             "Intervals an engine was found drifting",
