@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from narwhal.dataplane.watchdog import ReadWatchdog, read_deadline
 
 
@@ -22,9 +24,10 @@ def test_the_request_deadline_caps_the_idle_time() -> None:
     assert due == 60.0
 
 
-def test_no_deadline_while_writing_to_the_client() -> None:
-    due = read_deadline(None, True, first_deadline=10.0, request_deadline=60.0, idle_s=1.0)
-    assert due is None
+@pytest.mark.parametrize("started", [False, True])
+def test_while_writing_to_the_client_only_the_request_deadline_applies(started: bool) -> None:
+    due = read_deadline(None, started, first_deadline=10.0, request_deadline=60.0, idle_s=1.0)
+    assert due == 60.0
 
 
 @dataclass
@@ -121,6 +124,32 @@ def test_a_slow_client_write_is_not_engine_silence() -> None:
     assert timeout.expired_at == []
     loop.run_until(33.0)
     assert timeout.expired_at == [32.0]
+
+
+def test_a_client_that_stops_reading_expires_at_the_request_deadline() -> None:
+    """The write to a client with a zero receive window never returns: the request's deadline
+    ends it, and the watchdog says the client (not the engine) ran out the clock."""
+    loop, timeout = FakeLoop(), FakeTimeout()
+    watch = _watch(loop, timeout)
+    watch.reading()
+    watch.started()
+    loop.run_until(1.0)
+    watch.writing()  # this write never completes
+    loop.run_until(59.9)
+    assert timeout.expired_at == []
+    loop.run_until(61.0)
+    assert timeout.expired_at == [60.0]
+    assert watch.writing_expired
+
+
+def test_a_silent_engine_is_not_the_clients_doing() -> None:
+    loop, timeout = FakeLoop(), FakeTimeout()
+    watch = _watch(loop, timeout)
+    watch.reading()
+    watch.started()
+    loop.run_until(3.0)
+    assert timeout.expired_at == [2.0]
+    assert not watch.writing_expired
 
 
 def test_close_cancels_the_timer() -> None:

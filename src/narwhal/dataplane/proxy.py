@@ -551,6 +551,11 @@ class DataPlane:
                 finally:
                     watch.close()
         except TimeoutError:
+            if watch.writing_expired:
+                # The client stopped reading and let the request's deadline pass: not an
+                # engine's fault. Cut it off so its data connection and the engine's slot free.
+                _cut_off(request)
+                return _tag(client, "deadline")
             if loop.time() >= request_deadline - 1e-3 and attempt.started:
                 failure: Exception = DeadlineExceeded()
             else:
@@ -558,9 +563,9 @@ class DataPlane:
                 failure = self._fail(
                     engine, leg, EngineFailure(FailureClass.STREAM, which, timed_out=True)
                 )
-            return await self._end_stream(client, attempt, failure)
+            return await self._end_stream(request, client, attempt, failure, request_deadline)
         except EngineFailure as exc:
-            return await self._end_stream(client, attempt, exc)
+            return await self._end_stream(request, client, attempt, exc, request_deadline)
         except ClientGone:
             return _tag(client, "client_disconnect")
         finally:
@@ -573,25 +578,53 @@ class DataPlane:
             failure = self._fail(
                 engine, leg, EngineFailure(FailureClass.STREAM, "stream ended without [DONE]")
             )
-            return await self._end_stream(client, attempt, failure)
+            return await self._end_stream(request, client, attempt, failure, request_deadline)
         self._succeed(engine, leg, SuccessKind.DECODE_DONE)
         self._check_recompute(producer, engine, scanner.last)
-        await client.write_eof()
+        if not await _finish(request, client, b"", request_deadline):
+            return _tag(client, "deadline")
         return client
 
     async def _end_stream(
-        self, client: web.StreamResponse, attempt: _Attempt, failure: Exception
+        self,
+        request: web.Request,
+        client: web.StreamResponse,
+        attempt: _Attempt,
+        failure: Exception,
+        until: float,
     ) -> web.StreamResponse:
         """Before the first byte, let the policy answer; after it, end with an error event."""
         if not attempt.started:
             raise failure
         status, message = _status_for(failure)
-        try:
-            await client.write(sse_error_event(message, "upstream_error", status))
-            await client.write_eof()
-        except _CLIENT_GONE:
-            pass
+        await _finish(request, client, sse_error_event(message, "upstream_error", status), until)
         return _tag(client, "upstream_error_midstream")
+
+
+async def _finish(
+    request: web.Request, client: web.StreamResponse, last: bytes, until: float
+) -> bool:
+    """Write `last` and end the client's response by `until` (loop time); False when the client
+    did not take them in time and was cut off. A client that already left is not waited for."""
+    try:
+        async with asyncio.timeout_at(until):
+            if last:
+                await client.write(last)
+            await client.write_eof()
+    except _CLIENT_GONE:
+        pass
+    except TimeoutError:
+        _cut_off(request)
+        return False
+    return True
+
+
+def _cut_off(request: web.Request) -> None:
+    """Drop a client's connection at once: `abort`, since `close` would wait for the client to
+    read what is still buffered, which a stalled client never does."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
 
 
 def _in_flight_of(engine: EngineState) -> Callable[[], float]:
