@@ -21,7 +21,7 @@ DEADLINE_S = 7.5  # the derived default: 0.75 x ttl_s
 
 
 class MemoryLeaseStore:
-    """A LeaseStore in memory: compare-and-swap on the epoch, the epoch guard on handoffs.
+    """A LeaseStore in memory: compare-and-swap on the record, the epoch guard on handoffs.
 
     `down` makes every call raise StoreUnavailable; `call_s` advances the clock during a
     call (a slow store); `log` records the calls.
@@ -53,9 +53,9 @@ class MemoryLeaseStore:
         self._call("read")
         return self.record
 
-    async def swap(self, expected_epoch: int | None, record: LeaseRecord) -> bool:
+    async def swap(self, expected: LeaseRecord | None, record: LeaseRecord) -> bool:
         self._call("swap")
-        if (self.record.epoch if self.record else None) != expected_epoch:
+        if self.record != expected:
             return False
         self.record = record
         return True
@@ -162,7 +162,7 @@ async def test_a_lost_compare_and_swap_is_no_acquisition(world: World) -> None:
     c = LeaseKeeper("router-c", lease_config(), world.store, world.clock)
     stale = world.store.record
     assert await world.b.try_acquire(preempt=False)
-    assert not await world.store.swap(stale.epoch if stale else None, LeaseRecord("c", 2, 0))
+    assert not await world.store.swap(stale, LeaseRecord("c", 2, 0))
     assert not await c.try_acquire(preempt=False)  # sees b's live record
     assert c.role is Role.STANDBY and world.b.epoch == 2
 
@@ -353,6 +353,58 @@ async def test_preemption_never_lets_both_admit(world: World) -> None:
     assert owners[0] == "a" and owners[-1] == "b"
     handover = next(i for i, name in enumerate(owners) if name == "b")
     assert set(owners[handover:]) == {"b"}
+
+
+class RenewDuringSwap(MemoryLeaseStore):
+    """The holder's renewal lands between an acquirer's read and its swap (slow store)."""
+
+    def __init__(self, clock: FakeClock, lag_s: float) -> None:
+        super().__init__(clock)
+        self.holder: LeaseKeeper | None = None
+        self.lag_s = lag_s
+
+    async def swap(self, expected: LeaseRecord | None, record: LeaseRecord) -> bool:
+        if self.holder is not None:
+            holder, self.holder = self.holder, None  # only the first swap is interleaved
+            assert self.clock is not None
+            self.clock.advance(self.lag_s)
+            await holder.renew()
+            assert holder.role is Role.ACTIVE
+        return await super().swap(expected, record)
+
+
+async def test_a_renewal_inside_the_preempting_swap_never_lets_both_admit() -> None:
+    """ttl 10 / renew 8 (deadline 9): the holder renews while the standby's swap is in
+    flight. The standby must not wait out only the expiry it read before the renewal."""
+    clock = FakeClock()
+    store = RenewDuringSwap(clock, lag_s=1.0)
+    cfg = lease_config(renew_interval_s=8.0)
+    assert cfg.effective_renew_deadline_s == 9.0
+    a = LeaseKeeper("router-a", cfg, store, clock)
+    b = LeaseKeeper("router-b", cfg, store, clock)
+    t0 = clock.monotonic()
+    assert await a.try_acquire(preempt=False)
+    clock.advance(7.0)  # b reads a's record (expiring at 10 s) at 7 s...
+    store.holder = a  # ...and a renews at 8 s, before b's swap lands
+    a_renews_at, b_tries_at = 8.0 + 8.0, 7.0
+    both: list[float] = []
+    while clock.monotonic() - t0 < 40.0:
+        t = clock.monotonic() - t0
+        if b.role is not Role.ACTIVE and t >= b_tries_at:
+            await b.try_acquire(preempt=True)  # a standby step, every 0.5 s
+            b_tries_at = t + 0.5
+        if t >= a_renews_at:
+            await a.renew()
+            await b.renew()
+            a_renews_at = t + 8.0
+        now = clock.monotonic()
+        ra, rb = a.admission_reason(now), b.admission_reason(now)
+        if ra is None and rb is None:
+            both.append(round(t, 2))
+        clock.advance(0.05)
+    assert both == [], f"both admit from {both[0]}s to {both[-1]}s"
+    assert b.role is Role.ACTIVE and b.admission_reason(clock.monotonic()) is None
+    assert a.role is Role.FENCED
 
 
 async def test_a_paused_holder_cannot_admit_when_it_resumes(world: World) -> None:

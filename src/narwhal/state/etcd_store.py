@@ -99,9 +99,9 @@ class EtcdLeaseStore:
         record, _ = await self._record()
         return record
 
-    async def swap(self, expected_epoch: int | None, record: LeaseRecord) -> bool:
+    async def swap(self, expected: LeaseRecord | None, record: LeaseRecord) -> bool:
         current, rev = await self._record()
-        if (current.epoch if current else None) != expected_epoch:
+        if current != expected:  # the whole record; the txn then guards this very revision
             return False
         owner = f"{record.holder}:{record.epoch}".encode()
         return await self._txn(

@@ -1,8 +1,9 @@
 """The `file` lease store: one host or a shared filesystem.
 
 Every operation takes an exclusive `flock` on `<lease.path>.lock`, reads the record, and
-writes the new one atomically. The handoff is written under the same lock after checking
-the epoch, so a fenced router's write is refused. Guarantees and limits: docs/lease.md.
+writes the new one atomically; a swap compares the whole record the caller read. The
+handoff is written under the same lock after checking the epoch, so a fenced router's write
+is refused. Guarantees and limits: docs/lease.md.
 """
 
 from __future__ import annotations
@@ -65,10 +66,9 @@ class FileLeaseStore:
     async def read(self) -> LeaseRecord | None:
         return await self._run(self._read)
 
-    async def swap(self, expected_epoch: int | None, record: LeaseRecord) -> bool:
+    async def swap(self, expected: LeaseRecord | None, record: LeaseRecord) -> bool:
         def op() -> bool:
-            current = self._read()
-            if (current.epoch if current else None) != expected_epoch:
+            if self._read() != expected:
                 return False
             self._write(record)
             return True

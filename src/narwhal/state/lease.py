@@ -8,7 +8,8 @@ the store's wall clock. Stores (file, etcd) only do compare-and-swap; the rules 
   monotonic clock from the *start* of its last successful renewal, and fences itself at
   `renew_deadline_s` (< `ttl_s`), i.e. before any other router can consider it expired;
 - seeing another holder (or a newer epoch) fences it at once;
-- a router that preempts a live holder waits out the previous lease before admitting.
+- a router that preempts a live holder waits out the previous lease before admitting; the
+  swap compares the whole record it read, so the lease it waits out is the one it replaced.
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ class LeaseStore(Protocol):
 
     async def read(self) -> LeaseRecord | None: ...
 
-    async def swap(self, expected_epoch: int | None, record: LeaseRecord) -> bool:
-        """Write `record` iff the stored epoch is `expected_epoch` (None: no record)."""
+    async def swap(self, expected: LeaseRecord | None, record: LeaseRecord) -> bool:
+        """Write `record` iff the stored record equals `expected` (None: no record).
+
+        The whole record, not only the epoch: a renewal between the caller's read and this
+        swap changes `expires_at`, and the caller must then not wait out the older expiry.
+        """
         ...
 
     async def renew(self, holder: str, epoch: int, expires_at: float) -> bool:
@@ -166,12 +171,14 @@ class LeaseKeeper:
         live = record is not None and not record.expired(wall)
         if live and not preempt:
             return False
-        expected = record.epoch if record is not None else None
+        epoch = record.epoch if record is not None else 0
         started = self._clock.monotonic()
-        new = LeaseRecord(self.router_id, (expected or 0) + 1, wall + self._cfg.ttl_s)
+        new = LeaseRecord(self.router_id, epoch + 1, wall + self._cfg.ttl_s)
         try:
             async with self._lock:
-                won = await self.store.swap(expected, new)
+                # Swapped only if the record is still exactly the one read: then the holder's
+                # last good renewal is the one that stamped `record.expires_at`.
+                won = await self.store.swap(record, new)
         except StoreUnavailable as exc:
             self.store_error = str(exc)
             return False
@@ -183,7 +190,8 @@ class LeaseKeeper:
         self.last_seen = new
         self.fence_reason = None
         self._renew_started = started
-        # A live holder may admit until its own renew deadline: wait out its whole TTL.
+        # A live holder may admit until its own renew deadline, which lies before the expiry
+        # stamped by that renewal (the record just replaced): wait out that expiry.
         self._admit_after = started + (record.expires_at - wall if live and record else 0.0)
         log.warning(
             "lease: acquired epoch %d (previous %s%s)",
