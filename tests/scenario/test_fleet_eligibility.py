@@ -10,6 +10,7 @@ last engine and `/ready` then reports the missing role.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,8 +250,9 @@ def test_a_confirmed_failure_on_a_drift_held_last_engine_removes_it() -> None:
     assert router.ready() == "no capacity: prefill"
 
 
-@pytest.fixture
-async def no_prefill_http(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+@asynccontextmanager
+async def http_without(tmp_path: Path, *ejected: str) -> AsyncIterator[TestClient[Any, Any]]:
+    """A router on a loopback socket whose engines `ejected` were taken out."""
     cfg = parse_config(
         {
             "model": "demo-model",
@@ -263,7 +265,10 @@ async def no_prefill_http(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]
     )
     clock = FakeClock()
     router = Router(cfg, clock=clock)
-    router.lifecycle.eject(router.fleet.get("p0"), "connection", "refused", clock.monotonic())
+    for engine_id in ejected:
+        router.lifecycle.eject(
+            router.fleet.get(engine_id), "connection", "refused", clock.monotonic()
+        )
     await router.client.start()
     try:
         async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
@@ -272,19 +277,30 @@ async def no_prefill_http(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]
         await router.client.close()
 
 
-async def test_exhausted_capacity_is_503_on_ready_and_completions(
-    no_prefill_http: TestClient[Any, Any],
+@pytest.mark.parametrize(
+    ("ejected", "role"),
+    [
+        (("p0",), "prefill"),
+        (("d0",), "decode"),
+        (("p0", "d0"), "prefill"),
+        (("d0", "p0"), "prefill"),
+    ],
+)
+async def test_exhausted_capacity_is_the_same_503_on_ready_and_completions(
+    tmp_path: Path, ejected: tuple[str, ...], role: str
 ) -> None:
-    resp = await no_prefill_http.get("/ready")
-    assert (resp.status, await resp.text()) == (503, "no capacity: prefill")
-    resp = await no_prefill_http.post(
-        "/v1/completions", json={"model": "demo-model", "prompt": "hi", "max_tokens": 2}
-    )
-    assert resp.status == 503
-    body = await resp.json()
-    assert set(body) == {"error"}
-    assert body["error"]["message"] == "no capacity: prefill"
-    assert body["error"]["code"] == 503
+    """Completions name the missing role by /ready's precedence (prefill before decode)."""
+    async with http_without(tmp_path, *ejected) as http:
+        resp = await http.get("/ready")
+        assert (resp.status, await resp.text()) == (503, f"no capacity: {role}")
+        resp = await http.post(
+            "/v1/completions", json={"model": "demo-model", "prompt": "hi", "max_tokens": 2}
+        )
+        assert resp.status == 503
+        body = await resp.json()
+        assert set(body) == {"error"}
+        assert body["error"]["message"] == f"no capacity: {role}"
+        assert body["error"]["code"] == 503
 
 
 # --------------------------------------------------------------------------- clearing holds

@@ -339,8 +339,10 @@ class DataPlane:
             return await self._final_leg(
                 req, request, deadline, attempt, engine, body, headers, "unified"
             )
-        if not self._fleet.candidates(Role.DECODE, self._clock.monotonic()):
-            raise NoCapacity(Role.DECODE)  # never spend a prefill whose KV nobody can read
+        now = self._clock.monotonic()
+        for role in (Role.PREFILL, Role.DECODE):  # /ready's precedence (readiness.py)
+            if not self._fleet.candidates(role, now):
+                raise NoCapacity(role)  # never spend a prefill whose KV nobody can read
         prefill = self._place(Role.PREFILL, tried)
         tried.add(prefill.id)
         handoff = await self._prefill_leg(req, deadline, attempt, prefill)
