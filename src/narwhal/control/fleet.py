@@ -132,6 +132,18 @@ class Fleet:
         chosen = free or base
         return [Candidate(e.id, e.in_flight) for e in chosen]
 
+    def verification_peers(self, role: Role, now: float) -> list[EngineState]:
+        """Engines of `role` kept out only by an `inference_verification` hold (and soft
+        holds): the stand-in peers of an inference probe when no engine is eligible."""
+        return [
+            e
+            for e in self._engines.values()
+            if e.serves(role)
+            and e.ejected is None
+            and {h.name for h in e.active_holds(now) if h.name not in SOFT_HOLDS}
+            == {HoldName.INFERENCE_VERIFICATION}
+        ]
+
     def eligible(self, engine: EngineState, now: float) -> bool:
         return any(
             c.id == engine.id for r in self.roles_of(engine) for c in self.candidates(r, now)

@@ -4,11 +4,15 @@ A probed prefill engine runs the prefill leg and a healthy decode peer consumes 
 handoff; a probed decode engine consumes a healthy prefill peer's handoff (decode engines
 reject bare probes). A leg failed by the probed engine fails the probe; a leg that cannot
 conclude (no peer, the peer failed, the control pool timed out) is inconclusive.
+
+The peer is an eligible engine of the other role; when there is none, an engine held only for
+inference verification stands in, so two suspects (say the only prefill and the only decode
+engine) verify each other instead of waiting forever for an eligible peer. A passing round trip
+then clears both; each engine is charged only in its own probe.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -21,7 +25,7 @@ import orjson
 from narwhal.clock import Clock
 from narwhal.config import Config, Role
 from narwhal.control.evidence import EvidenceRecorder
-from narwhal.control.fleet import EngineState, Fleet
+from narwhal.control.fleet import Candidate, EngineState, Fleet
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.dataplane.placement import least_in_flight
@@ -59,6 +63,7 @@ class ProbeResult:
     verdict: Verdict
     reason: str
     failure_class: FailureClass | None = None
+    peer: str | None = None  # the peer engine whose leg completed the round trip
 
 
 class Inconclusive(Exception):
@@ -113,18 +118,38 @@ class InferenceProber:
         self.last[engine.id] = result
         self._metrics.probes.labels(engine.id, "inference", result.verdict.value).inc()
         if result.verdict is Verdict.OK:
-            self._evidence.clear(engine.id, INFERENCE_CLASSES)
-            self._lifecycle.release(engine, HoldName.INFERENCE_VERIFICATION, "probe passed", now)
-            self._lifecycle.release(engine, HoldName.FAILURE_QUARANTINE, "probe passed", now)
+            self._passed(engine, "probe passed", now)
+            peer = self._fleet.get(result.peer) if result.peer is not None else None
+            if peer is not None and peer.ejected is None and self._verifying(peer, now):
+                # A held peer that completed the round trip passed it too.
+                self._passed(peer, f"ran the passing probe of {engine.id}", now)
         elif result.verdict is Verdict.FAILED:
             cause = (result.failure_class or FailureClass.INFERENCE_STATUS).value
             self._lifecycle.eject(engine, cause, f"inference probe failed: {result.reason}", now)
         else:
             log.info("engine %s inference probe inconclusive: %s", engine.id, result.reason)
 
+    def _passed(self, engine: EngineState, reason: str, now: float) -> None:
+        """A successful inference check: clears the inference evidence and both holds."""
+        self._evidence.clear(engine.id, INFERENCE_CLASSES)
+        self._lifecycle.release(engine, HoldName.INFERENCE_VERIFICATION, reason, now)
+        self._lifecycle.release(engine, HoldName.FAILURE_QUARANTINE, reason, now)
+
+    @staticmethod
+    def _verifying(engine: EngineState, now: float) -> bool:
+        return HoldName.INFERENCE_VERIFICATION in engine.active_holds_by_name(now)
+
     def peer(self, role: Role, probed: EngineState) -> EngineState | None:
+        """The least busy eligible engine of `role` other than `probed`; failing that, one
+        that is only held for inference verification (see the module docstring)."""
         now = self._clock.monotonic()
         candidates = [c for c in self._fleet.candidates(role, now) if c.id != probed.id]
+        if not candidates:
+            candidates = [
+                Candidate(e.id, e.in_flight)
+                for e in self._fleet.verification_peers(role, now)
+                if e.id != probed.id
+            ]
         peer_id = least_in_flight(candidates, 0)
         return None if peer_id is None else self._fleet.get(peer_id)
 
@@ -156,7 +181,7 @@ class InferenceProber:
                 await self.decode_with(peer, handoff)
             except EngineFailure as exc:
                 return ProbeResult(Verdict.INCONCLUSIVE, f"decode peer {peer.id}: {exc}")
-            return ProbeResult(Verdict.OK, f"prefill leg ok, consumed by {peer.id}")
+            return ProbeResult(Verdict.OK, f"prefill leg ok, consumed by {peer.id}", peer=peer.id)
         finally:
             await self.discard(engine, handoff)
 
@@ -174,7 +199,7 @@ class InferenceProber:
             return ProbeResult(Verdict.INCONCLUSIVE, f"handoff from {peer.id} refused: {exc}")
         finally:
             await self.discard(peer, handoff)
-        return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}")
+        return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}", peer=peer.id)
 
     def _probe_body(self) -> dict[str, Any]:
         return {"model": self._cfg.model, "prompt": PROBE_PROMPT, "max_tokens": 2, "stream": True}
@@ -240,8 +265,7 @@ class InferenceProber:
         timeout_s = self._cfg.engine.probe_timeout_s
         try:
             async with (
-                self._client.control_slot(timeout_s),
-                asyncio.timeout(timeout_s),
+                self._client.deadline(PoolKind.CONTROL, timeout_s),
                 session.post(
                     engine.config.url + "/v1/completions", data=orjson.dumps(body), headers=headers
                 ) as resp,
