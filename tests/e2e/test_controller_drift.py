@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.control.holds import HoldName
 from narwhal.control.intervals import Window
@@ -332,3 +335,82 @@ async def test_a_kv_both_engine_that_cannot_produce_a_handoff_is_not_moved(
     async with http.get(rr.url + "/ready") as resp:
         assert resp.status == 503
         assert "prefill" in await resp.text()
+
+
+# --------------------------------------------------------------------------- busiest share
+async def narwhal_status(url: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "narwhal.cli.operator", "--url", url, "status",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")},
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+def busiest_share(metrics: str, role: str) -> float | None:
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == "narwhal_consolidation_busiest_share" and s.labels["role"] == role:
+                return float(s.value)
+    return None
+
+
+@pytest.mark.slow
+async def test_busiest_share_follows_traffic_in_metrics_and_status(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    # Two prefill engines share the prefill legs; the one decode engine carries every decode
+    # leg, so its role's busiest share is 1.0 once an interval with traffic has closed.
+    p0, p1, d0 = sim_factory.start_many([PREFILL, PREFILL, DECODE])
+    rr = await start_router(
+        [
+            {"id": "p0", "url": p0.url, "role": "prefill"},
+            {"id": "p1", "url": p1.url, "role": "prefill"},
+            {"id": "d0", "url": d0.url, "role": "decode"},
+        ],
+        controller={"interval_s": 1.0, "drift_mode": "off"},
+    )
+
+    async def scrape() -> str:
+        async with http.get(rr.url + "/metrics") as resp:
+            return await resp.text()
+
+    idle = await scrape()
+    assert busiest_share(idle, "decode") == 0.0  # no closed interval with traffic yet
+    load = Load(http, rr.url, workers=2)
+    try:
+
+        async def decode_share_is_one() -> bool:
+            return busiest_share(await scrape(), "decode") == 1.0
+
+        await eventually(decode_share_is_one, timeout_s=15, what="decode busiest share 1.0")
+        prefill = busiest_share(await scrape(), "prefill")
+        assert prefill is not None and 0.5 <= prefill <= 1.0
+
+        def share_from_last_interval() -> bool:
+            # Counted requests, not an in-flight snapshot (which could only be 0, 1/2 or 1):
+            # the controller's share equals the last closed window's split between p0 and p1.
+            closed = rr.router.stats.closed[-1].engines
+            counts = [closed[e].requests for e in ("p0", "p1") if e in closed]
+            share = rr.router.small.risk["prefill"]["busiest_share"]
+            return (
+                sum(counts) > 0
+                and share == pytest.approx(max(counts) / sum(counts))
+                and share not in (0.0, 0.5, 1.0)
+            )
+
+        await eventually(share_from_last_interval, timeout_s=20, what="a counted prefill share")
+
+        async def status_shows_it() -> str | None:
+            out = await narwhal_status(rr.url)
+            line = next(x for x in out.splitlines() if x.startswith("consolidation risk:"))
+            return line if "decode 1 eligible (HIGH) busiest 100%" in line else None
+
+        line = await eventually(status_shows_it, timeout_s=30, what="share in narwhal status")
+        assert "prefill 2 eligible busiest " in line
+    finally:
+        await load.stop()
+    assert load.failures == []
