@@ -8,16 +8,25 @@ import contextlib
 import ipaddress
 import logging
 import signal
+import socket
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from narwhal.config import Config, ConfigError, load_config, parse_config
 from narwhal.telemetry.logs import configure as configure_logging
 
-EXIT_CONFIG = 2
+if TYPE_CHECKING:
+    from narwhal.server import Router
+
+EXIT_CONFIG = 2  # a bad config file or bad arguments
+EXIT_START = 1  # a valid config that could not start (port in use, state directory not writable)
+
+
+class StartupError(Exception):
+    """The router could not start; the message names what failed, in one line."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,12 +84,45 @@ def _demo_problems(listen: str) -> list[str]:
     return check_startable(placeholder)
 
 
+def _make_state_dir(handoff_path: str) -> None:
+    directory = Path(handoff_path).parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(
+            f"handoff.path: cannot create directory {str(directory)!r}: {exc.strerror or exc}"
+        ) from None
+
+
+async def _run_router(
+    router: Router, config: Config, on_ready: Callable[[int], None] | None = None
+) -> None:
+    """Run the router; an OSError before it serves (the port in use, an unresolvable listen
+    host, an unreadable state file) is a StartupError naming what failed."""
+    ready = False
+
+    def ready_now(port: int) -> None:
+        nonlocal ready
+        ready = True
+        if on_ready is not None:
+            on_ready(port)
+
+    try:
+        await router.run(config.listen_host, config.listen_port, on_ready=ready_now)
+    except OSError as exc:
+        if ready:
+            raise
+        if isinstance(exc, socket.gaierror):
+            raise StartupError(f"listen {config.listen}: {exc.strerror or exc}") from None
+        raise StartupError(str(exc)) from None
+
+
 async def _serve(config: Config, resume: bool, standby: bool) -> None:
     from narwhal.server import Router
 
-    Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(_make_state_dir, config.handoff.path)
     router = Router(config, resume=resume, standby=standby)
-    await router.run(config.listen_host, config.listen_port)
+    await _run_router(router, config)
 
 
 async def _demo(listen: str) -> None:
@@ -91,14 +133,10 @@ async def _demo(listen: str) -> None:
         prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
         decode = [await start_sim(stack, "decode", []) for _ in range(2)]
         config = demo_config(prefill, decode, listen)
-        Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(_make_state_dir, config.handoff.path)
         router = Router(config)
         url = f"http://{config.listen_host}:{config.listen_port}"
-        await router.run(
-            config.listen_host,
-            config.listen_port,
-            on_ready=lambda _: print(banner(url), flush=True),
-        )
+        await _run_router(router, config, on_ready=lambda _: print(banner(url), flush=True))
 
 
 async def _main_async(coro: Coroutine[Any, Any, None]) -> None:
@@ -110,6 +148,16 @@ async def _main_async(coro: Coroutine[Any, Any, None]) -> None:
         loop.add_signal_handler(sig, task.cancel)
     with contextlib.suppress(asyncio.CancelledError):
         await coro
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> int:
+    """Run the program; a start-up failure is one line on stderr and exit status 1."""
+    try:
+        asyncio.run(_main_async(coro))
+    except StartupError as exc:
+        print(f"narwhal-serve: start-up failed: {exc}", file=sys.stderr)
+        return EXIT_START
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = _demo_problems(listen)
         if problems:
             return _fail_config(problems)
-        asyncio.run(_main_async(_demo(listen)))
-        return 0
+        return _run(_demo(listen))
     if not args.config:
         print("narwhal-serve: give --config FILE, --check-config FILE or --demo", file=sys.stderr)
         return EXIT_CONFIG
@@ -148,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             "standby.active_url is not set: this standby takes over only when the lease "
             "expires, never after standby.takeover_threshold failing /ready checks"
         )
-    asyncio.run(_main_async(_serve(config, resume=args.resume, standby=args.standby)))
-    return 0
+    return _run(_serve(config, resume=args.resume, standby=args.standby))
 
 
 if __name__ == "__main__":
