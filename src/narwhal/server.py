@@ -366,7 +366,7 @@ class Router:
                     "role": e.role.value,
                     "kv_role": e.config.effective_kv_role.value,
                     "eligible": self.fleet.eligible(e, now),
-                    "ejected": e.ejected.to_json() if e.ejected else None,
+                    "ejected": e.ejected.admin_json() if e.ejected else None,
                     "holds": [
                         {
                             "name": h.name.value,

@@ -402,3 +402,27 @@ def test_eject_is_idempotent_and_keeps_the_first_quarantine_deadline() -> None:
     assert w.e("p0").holds[HoldName.FAILURE_QUARANTINE].deadline_mono == first + 30
     assert w.e("p0").ejected is not None
     assert w.e("p0").ejected.reason == "refused"
+
+
+# --------------------------------------------------------------------------- ejection record
+@pytest.mark.parametrize("cause", [*(c.value for c in FailureClass), "liveness"])
+async def test_the_admin_ejection_record_names_the_class(tmp_path: Path, cause: str) -> None:
+    """`/admin/engines` shows the ejection with its class (also as `cause`), time, reason and
+    the evidence at the moment of ejection."""
+    cfg = config(prefill=1, decode=1)
+    clock = FakeClock()
+    router = Router(cfg, clock=clock)
+    d0 = router.fleet.get("d0")
+    d0.evidence[FailureClass.STREAM] = 2
+    router.lifecycle.eject(d0, cause, "the reason", clock.monotonic())
+    async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
+        resp = await http.get("/admin/engines")
+        engines = {e["id"]: e for e in (await resp.json())["engines"]}
+    assert engines["p0"]["ejected"] is None
+    assert engines["d0"]["ejected"] == {
+        "class": cause,
+        "cause": cause,
+        "reason": "the reason",
+        "at": clock.wall(),
+        "evidence": {"stream": 2},
+    }
