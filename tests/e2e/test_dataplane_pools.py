@@ -212,6 +212,51 @@ async def test_data_pool_bound_saturation_and_a_free_control_pool(
     assert await _engine_failures(http, rr) == 0, "saturating the router is no engine failure"
 
 
+async def _sample_engine_sockets(ports: set[int], peak: list[int]) -> None:
+    """The highest number of the router's real TCP sockets to the engines (in use and idle),
+    read from /proc, beside the load."""
+    while True:
+        peak[0] = max(peak[0], sum(s.peer[1] in ports for s in _tcp_sockets()))
+        peak[1] += 1
+        await asyncio.sleep(0.005)
+
+
+async def test_open_upstream_sockets_never_exceed_the_pool_bounds(
+    sims: Sims, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Counted on the router's real sockets, not its own counters: aiohttp's limit counts only
+    connections in use, so 4 streaming decodes could also keep 4 idle prefill sockets open.
+
+    Nothing else in this process talks to the engines while the sampler runs (the sims'
+    urllib helpers are not polled), so every socket to an engine port is the router's: at
+    most `max_connections` on the data pool and `control_connections` on the control pool.
+    """
+    control = 1
+    rr = await start_router(
+        _engines(sims),
+        serving={"max_connections": LIMIT},
+        engine={"health_timeout_s": HEALTH_TIMEOUT_S, "control_connections": control},
+    )
+    ports = {sim.port for sim in sims.all()}
+    peak = [0, 0]
+    sampler = asyncio.create_task(_sample_engine_sockets(ports, peak))
+    try:
+        passes = rr.router.monitor.status.passes
+        await eventually(lambda: rr.router.monitor.status.passes >= passes + 2, what="sweeps")
+        load = asyncio.gather(*(_stream(http, rr.url, 20) for _ in range(CLIENTS)))
+        await eventually(lambda: rr.router.dataplane.pool.in_use == LIMIT, what="pool full")
+        results = await load
+        # Health sweeps over the control pool go on while the data sockets idle.
+        passes = rr.router.monitor.status.passes
+        await eventually(lambda: rr.router.monitor.status.passes >= passes + 3, what="sweeps")
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    assert sorted(r.status for r in results).count(200) == LIMIT
+    assert peak[1] > 50
+    assert peak[0] <= LIMIT + control, f"{peak[0]} sockets open to the engines"
+
+
 async def test_bounded_policy_queues_up_to_queue_limit(
     sims: Sims, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
 
-from narwhal.engine.transport import EngineClient, PoolKind
+from narwhal.engine.failures import EngineFailure, FailureClass
+from narwhal.engine.transport import ControlPoolBusy, EngineClient, PoolKind
+from tests.support.poll import eventually
 
 
 @pytest.fixture
@@ -47,3 +54,174 @@ async def test_an_engines_cookie_never_rides_on_later_requests(
     # Requests from unrelated clients share the router's sessions: a cookie one engine answer
     # set must not be sent with the next request.
     assert seen == [None, None, None]
+
+
+# ------------------------------------------------------------------ the pools' socket bounds
+
+
+@dataclass
+class Engines:
+    urls: list[str]
+    ports: set[int]
+    release: asyncio.Event
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Engines]:
+    """Three engines: `/health` answers at once, `/stream` sends a chunk and then holds the
+    response open, `/hang` answers nothing, both until `release` is set."""
+    release = asyncio.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data: 1\n\n")
+        await release.wait()
+        return response
+
+    async def hang(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="late")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", health)
+    app.router.add_post("/stream", stream)
+    app.router.add_get("/hang", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    ports = []
+    for _ in range(3):
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ports.append(runner.addresses[-1][1])
+    yield Engines([f"http://127.0.0.1:{p}" for p in ports], set(ports), release)
+    release.set()
+    await runner.cleanup()
+
+
+def _client_sockets(ports: set[int]) -> int:
+    """This process's connected TCP sockets whose peer is one of `ports`: the client ends of
+    connections to the engines, idle keep-alive ones included (the engines' own ends have
+    ephemeral peers)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            dup = os.dup(int(name))
+        except OSError:
+            continue
+        with socket.socket(fileno=dup) as sock:
+            if sock.family is not socket.AF_INET or sock.type is not socket.SOCK_STREAM:
+                continue
+            try:
+                peer = sock.getpeername()
+            except OSError:
+                continue
+            count += peer[1] in ports
+    return count
+
+
+async def _settled_sockets(ports: set[int], at_most: int) -> int:
+    """The socket count once closed transports have dropped their sockets (asyncio closes
+    them a loop iteration later); fails if it never comes down to `at_most`."""
+    return await eventually(
+        lambda: (n := _client_sockets(ports)) <= at_most and (n or -1),
+        timeout_s=2,
+        what=f"at most {at_most} sockets to the engines",
+    )
+
+
+async def test_the_control_pool_bound_counts_idle_keepalive_sockets(engines: Engines) -> None:
+    """aiohttp's limit counts only connections in use: one control connection used for three
+    engines in turn would leave three idle keep-alive sockets open."""
+    client = EngineClient(data_limit=4, control_limit=1)
+    await client.start()
+    try:
+        for _ in range(2):
+            for url in engines.urls:
+                reply = await client.get(PoolKind.CONTROL, url + "/health", 5.0)
+                assert reply.status == 200
+                await _settled_sockets(engines.ports, 1)
+        assert await _settled_sockets(engines.ports, 1) == 1  # the last one stays for reuse
+        # Reuse is the hot path and opens nothing: the same engine again, same socket.
+        reply = await client.get(PoolKind.CONTROL, engines.urls[-1] + "/health", 5.0)
+        assert reply.status == 200 and await _settled_sockets(engines.ports, 1) == 1
+    finally:
+        await client.close()
+
+
+async def test_the_data_pool_bound_counts_idle_prefill_sockets(engines: Engines) -> None:
+    """The data plane's pattern: a short prefill leg on one engine, then a long decode stream
+    on another. With 2 data connections, 2 requests could otherwise hold 2 streaming decode
+    sockets and 2 idle prefill ones."""
+    limit = 2
+    client = EngineClient(data_limit=limit, control_limit=1)
+    await client.start()
+    session = client.session(PoolKind.DATA)
+    prefill, decode = engines.urls[0], engines.urls[1]
+    streams = []
+    try:
+        for _ in range(limit):
+            reply = await client.post(PoolKind.DATA, prefill + "/v1/completions", b"{}", {}, 5.0)
+            assert reply.status == 200
+            await _settled_sockets(engines.ports, limit)
+            resp = await session.post(decode + "/stream", data=b"{}")
+            assert await resp.content.readline() == b"data: 1\n"
+            streams.append(resp)
+            await _settled_sockets(engines.ports, limit)
+        assert await _settled_sockets(engines.ports, limit) == limit  # the two streams
+    finally:
+        engines.release.set()
+        for resp in streams:
+            resp.release()
+        await client.close()
+
+
+# ------------------------------------------------------- one deadline for a control request
+
+
+async def _timed_get(client: EngineClient, url: str, timeout_s: float) -> tuple[float, object]:
+    started = time.monotonic()
+    try:
+        outcome: object = await client.get(PoolKind.CONTROL, url, timeout_s)
+    except EngineFailure as exc:
+        outcome = exc
+    return time.monotonic() - started, outcome
+
+
+async def _queued_behind(engines: Engines, hold_s: float, timeout_s: float) -> tuple[float, object]:
+    """A control request queued behind one that holds the only control connection for
+    `hold_s` (an engine that never answers), both to hanging engines."""
+    client = EngineClient(data_limit=1, control_limit=1)
+    await client.start()
+    try:
+        first = asyncio.create_task(_timed_get(client, engines.urls[0] + "/hang", hold_s))
+        await eventually(lambda: client.control_in_use == 1, what="the first holds the pool")
+        second = await _timed_get(client, engines.urls[1] + "/hang", timeout_s)
+        await first
+        return second
+    finally:
+        await client.close()
+
+
+async def test_a_control_requests_wait_for_a_connection_counts_against_its_timeout(
+    engines: Engines,
+) -> None:
+    """Waiting for a control connection and the request share one deadline: never twice the
+    timeout. A short wait leaves the engine most of it, so a timeout is the engine's; a wait
+    of more than half of it is `ControlPoolBusy`, never the engine's fault."""
+    timeout_s = 2.0
+    (short_s, short), (long_s, long) = await asyncio.gather(
+        _queued_behind(engines, 0.5, timeout_s), _queued_behind(engines, 1.4, timeout_s)
+    )
+    # Separate deadlines would take 2.5 s and 3.4 s.
+    assert short_s < timeout_s + 0.3, short_s
+    assert long_s < timeout_s + 0.3, long_s
+    assert isinstance(short, EngineFailure) and not isinstance(short, ControlPoolBusy), short
+    assert short.failure_class is FailureClass.TIMEOUT
+    assert isinstance(long, ControlPoolBusy), long

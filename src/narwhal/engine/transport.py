@@ -1,9 +1,11 @@
 """HTTP to engines over two bounded pools, with every transport error classified here.
 
 The data pool serves prefill, decode and token counting; the control pool (health, probes,
-readmission) is a separate connector so data traffic can never starve it. A control request
-first waits for a free control connection, then gets its own deadline: time spent queued
-behind other control requests is never charged to the engine (`ControlPoolBusy`).
+readmission) is a separate connector so data traffic can never starve it. Each pool's bound
+counts every open socket, idle keep-alive ones included (`BoundedConnector`). A control
+request has one deadline for waiting for a free control connection and for the request: a wait
+that uses it up, or leaves the engine too little of it, is never charged to the engine
+(`ControlPoolBusy`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -59,8 +62,51 @@ def classify_exception(exc: BaseException, timeout_class: FailureClass) -> Engin
     raise exc
 
 
+class BoundedConnector(aiohttp.TCPConnector):
+    """A connector whose `limit` bounds open sockets, idle keep-alive ones included.
+
+    aiohttp's `limit` counts only connections in use, so a router at its bound could also
+    hold as many idle keep-alive sockets (measured: 4 decodes streaming plus 4 idle prefill
+    sockets with `max_connections: 4`). Reusing an idle socket or releasing one into the idle
+    pool leaves the number of open sockets unchanged; only opening a new one raises it, so
+    the bound is kept there: before a new socket is opened, the oldest idle sockets (of any
+    engine) are closed until in use + idle + the new one fit the limit. The hot path, reuse
+    of an idle socket, is untouched.
+
+    This relies on aiohttp's private `_create_connection` hook, `_acquired` (in-use
+    connections, including the placeholder of the one being opened) and `_conns` (idle
+    connections per key, oldest first), pinned to aiohttp 3.14 in pyproject.toml;
+    tests/e2e/test_dataplane_pools.py counts the real sockets and fails if they change.
+    """
+
+    async def _create_connection(self, req: Any, traces: Any, client_timeout: Any) -> Any:
+        if self._evict_idle():
+            # asyncio closes a transport's socket on the next loop iteration: let it, so
+            # that the old socket is gone before the new one exists.
+            await asyncio.sleep(0)
+        return await super()._create_connection(req, traces, client_timeout)
+
+    def _evict_idle(self) -> bool:
+        """Close the oldest idle sockets until one more fits the limit; True if any was."""
+        limit = self._limit
+        if not limit:
+            return False
+        idle = self._conns
+        excess = len(self._acquired) + sum(len(q) for q in idle.values()) - limit
+        evicted = False
+        while excess > 0 and idle:
+            key = min(idle, key=lambda k: idle[k][0][1])  # the oldest idle socket
+            protocol, _ = idle[key].popleft()
+            if not idle[key]:
+                del idle[key]
+            protocol.close()
+            excess -= 1
+            evicted = True
+        return evicted
+
+
 def _connector(limit: int, ssl_context: ssl.SSLContext | None) -> aiohttp.TCPConnector:
-    return aiohttp.TCPConnector(
+    return BoundedConnector(
         ssl=ssl_context if ssl_context is not None else True,
         limit=limit,
         limit_per_host=0,
@@ -117,10 +163,30 @@ class EngineClient:
             self.control_in_use -= 1
             self._control.release()
 
-    def _slot(self, pool: PoolKind, wait_s: float) -> AbstractAsyncContextManager[None]:
-        """The control pool waits for a free connection first; the data pool's gate is the
-        data plane's own (`dataplane/pool.py`)."""
-        return self.control_slot(wait_s) if pool is PoolKind.CONTROL else nullcontext()
+    @asynccontextmanager
+    async def deadline(self, pool: PoolKind, timeout_s: float) -> AsyncIterator[None]:
+        """One deadline of `timeout_s` for the whole request. The control pool first waits for
+        a free connection within it; the data pool's gate is the data plane's own
+        (`dataplane/pool.py`).
+
+        A control request that times out after queueing for more than half its timeout is
+        `ControlPoolBusy`, not the engine's timeout: the engine was given too little of the
+        deadline to judge it (frozen engines holding every control connection must not make
+        the healthy ones queued behind them look silent)."""
+        if pool is not PoolKind.CONTROL:
+            async with asyncio.timeout(timeout_s):
+                yield
+            return
+        started = time.monotonic()
+        async with self.control_slot(timeout_s):
+            waited_s = time.monotonic() - started
+            try:
+                async with asyncio.timeout(timeout_s - waited_s):
+                    yield
+            except TimeoutError:
+                if waited_s > timeout_s / 2:
+                    raise ControlPoolBusy(waited_s) from None
+                raise
 
     async def post(
         self,
@@ -134,8 +200,7 @@ class EngineClient:
         """POST and read the whole reply; raises EngineFailure on transport trouble."""
         try:
             async with (
-                self._slot(pool, timeout_s),
-                asyncio.timeout(timeout_s),
+                self.deadline(pool, timeout_s),
                 self._sessions[pool].post(url, data=body, headers=headers) as resp,
             ):
                 data = await resp.read()
@@ -152,8 +217,7 @@ class EngineClient:
     ) -> Reply:
         try:
             async with (
-                self._slot(pool, timeout_s),
-                asyncio.timeout(timeout_s),
+                self.deadline(pool, timeout_s),
                 self._sessions[pool].get(url, headers=headers) as resp,
             ):
                 data = await resp.read()
