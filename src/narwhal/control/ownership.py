@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,10 @@ from narwhal.state.lease import LeaseKeeper, Role
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.ownership")
+
+
+ReadyProbe = Callable[[str], Awaitable[tuple[int, str] | None]]
+"""GET `<url>/ready`: (status, body), or None when the active did not answer in time."""
 
 
 def counts_toward_takeover(ready_body: str) -> bool:
@@ -44,6 +49,7 @@ class Ownership:
         handoff: HandoffWriter,
         metrics: Metrics,
         clock: Clock,
+        probe_ready: ReadyProbe | None = None,
     ) -> None:
         self._cfg = config
         self.keeper = keeper
@@ -56,6 +62,7 @@ class Ownership:
         self.followed: dict[str, Any] | None = None
         self.follow_error: str | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._probe_ready = probe_ready or self._http_ready
 
     async def start(self, standby: bool) -> None:
         """A non-standby router takes a free or expired lease at start; else it follows,
@@ -103,6 +110,9 @@ class Ownership:
             if won:
                 self._metrics.lease_acquisitions.inc()
                 self.active_failures = 0
+                # Read the handoff one last time: the old holder may have written after our
+                # last follow; the new epoch now refuses its writes, so this one is final.
+                await self.follow()
                 if self.followed is not None:
                     self._handoff.continue_from(self.followed)
 
@@ -133,17 +143,40 @@ class Ownership:
         url = self._cfg.standby.active_url
         if url is None:
             return
+        answer = await self._probe_ready(url)
+        if answer is None:
+            failing = True  # unreachable
+        else:
+            status, body = answer
+            failing = status != 200 and counts_toward_takeover(body)
+        self.active_failures = self.active_failures + 1 if failing else 0
+
+    async def _http_ready(self, url: str) -> tuple[int, str] | None:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self._cfg.engine.health_timeout_s)
             )
         try:
             async with self._session.get(url + "/ready") as resp:
-                body = (await resp.read()).decode(errors="replace")
-                failing = resp.status != 200 and counts_toward_takeover(body)
+                return resp.status, (await resp.read()).decode(errors="replace")
         except (aiohttp.ClientError, OSError, TimeoutError):
-            failing = True  # unreachable
-        self.active_failures = self.active_failures + 1 if failing else 0
+            return None
+
+    def operator_refusal(self) -> str | None:
+        """Why this router refuses an operator drain/maintenance/readmit, or None (active).
+
+        A standby's or fenced router's change would be overwritten by the next handoff it
+        follows, so it is refused with the active's name instead of silently lost."""
+        role = self.keeper.role
+        if role is Role.ACTIVE:
+            return None
+        seen = self.keeper.last_seen
+        holder = seen.holder if seen is not None else None
+        active = holder if holder and holder != self.keeper.router_id else "unknown"
+        where = f"the active is {active}; send operator requests to it"
+        if role is Role.FENCED:
+            return f"fenced: {self.keeper.fence_reason}; {where}"
+        return f"standby: {where}"
 
     async def write_handoff(self, doc: dict[str, Any], data: bytes) -> None:
         """The handoff stage's write: epoch-guarded; a fenced or standby router is silent."""

@@ -122,9 +122,15 @@ class LeaseKeeper:
         return None
 
     def time_left_s(self, now: float) -> float | None:
-        if self.role is not Role.ACTIVE or self._renew_started is None:
-            return None
-        return max(0.0, self._renew_started + self._cfg.ttl_s - now)
+        """The holder: its local lease on the monotonic clock. A standby: the record's
+        `expires_at` against this router's wall clock (what it judges expiry by). A fenced
+        router: None (its own lease is over; the record it last saw may be stale)."""
+        if self.role is Role.ACTIVE and self._renew_started is not None:
+            return max(0.0, self._renew_started + self._cfg.ttl_s - now)
+        seen = self.last_seen
+        if self.role is Role.STANDBY and seen is not None and seen.holder is not None:
+            return max(0.0, seen.expires_at - self._clock.wall())
+        return None
 
     def to_json(self, now: float) -> dict[str, Any]:
         return {
