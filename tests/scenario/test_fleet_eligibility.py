@@ -207,6 +207,36 @@ def test_candidates_never_mutate() -> None:
     assert w.e("p0").holds == before
 
 
+def test_holds_active_counts_a_hold_until_its_deadline_and_not_after() -> None:
+    """`narwhal_holds_active` is read at scrape time: an expired hold stops counting at its
+    deadline with no monitor pass, like candidate selection; a permanent one keeps counting."""
+    w = world()
+
+    def gauge(name: HoldName) -> float | None:
+        return w.metrics.registry.get_sample_value(
+            "narwhal_holds_active", {"engine": "p0", "hold": name.value}
+        )
+
+    assert {name: gauge(name) for name in HoldName} == {name: 0 for name in HoldName}
+    w.lifecycle.hold(w.e("p0"), HoldName.FAILURE_QUARANTINE, "q", w.now, duration_s=30.0)
+    w.lifecycle.hold(w.e("p0"), HoldName.OPERATOR_DRAIN, "operator", w.now)
+    assert gauge(HoldName.FAILURE_QUARANTINE) == 1 and gauge(HoldName.OPERATOR_DRAIN) == 1
+    w.clock.advance(29.9)
+    assert gauge(HoldName.FAILURE_QUARANTINE) == 1
+    w.clock.advance(0.1)
+    assert HoldName.FAILURE_QUARANTINE in w.e("p0").holds  # not removed yet, no longer active
+    assert gauge(HoldName.FAILURE_QUARANTINE) == 0
+    assert gauge(HoldName.OPERATOR_DRAIN) == 1
+    w.lifecycle.release(w.e("p0"), HoldName.OPERATOR_DRAIN, "operator", w.now)
+    assert gauge(HoldName.OPERATOR_DRAIN) == 0
+    assert (
+        w.metrics.registry.get_sample_value(
+            "narwhal_holds_active", {"engine": "p1", "hold": "operator_drain"}
+        )
+        == 0
+    )
+
+
 def test_a_permanent_hold_never_expires() -> None:
     w = world()
     w.lifecycle.hold(w.e("p0"), HoldName.OPERATOR_DRAIN, "operator", w.now)

@@ -6,6 +6,8 @@ state; each change is logged `from -> to (reason)` and counted once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from narwhal.clock import Clock
 from narwhal.config import Config
 from narwhal.control.fleet import Ejection, EngineState, Fleet
@@ -20,14 +22,15 @@ class Lifecycle:
         self._metrics = metrics
         self._clock = clock
         fleet.on_transition(self._count)
+        for engine in fleet:
+            for name in HoldName:
+                metrics.holds_active.labels(engine.id, name.value).set_function(
+                    _hold_active(engine, name, clock)
+                )
 
     def _count(self, engine: EngineState, before: str, after: str, reason: str) -> None:
         if before != after:
             self._metrics.transitions.labels(engine.id, after.split("(")[0]).inc()
-        for name in HoldName:
-            self._metrics.holds_active.labels(engine.id, name.value).set(
-                1 if name in engine.holds else 0
-            )
 
     def eject(self, engine: EngineState, cause: str, reason: str, now: float) -> None:
         """Take an engine out of placement (a confirmed failure: no last-engine protection)."""
@@ -125,3 +128,14 @@ class Lifecycle:
 
 def _drop(engine: EngineState, name: HoldName) -> None:
     engine.holds.pop(name, None)
+
+
+def _hold_active(engine: EngineState, name: HoldName, clock: Clock) -> Callable[[], float]:
+    """`narwhal_holds_active`, read at scrape time: a hold counts until its deadline and not
+    after, whether or not a monitor pass has removed it yet (as candidate selection does)."""
+
+    def active() -> float:
+        hold = engine.holds.get(name)
+        return float(hold is not None and not hold.expired(clock.monotonic()))
+
+    return active

@@ -299,10 +299,7 @@ class SmallStages:
 
     async def telemetry(self, now: float) -> None:
         for engine in self._fleet:
-            self._lifecycle.expire_holds(engine, now)
-            for name in HoldName:
-                active = name in engine.holds and not engine.holds[name].expired(now)
-                self._metrics.holds_active.labels(engine.id, name.value).set(int(active))
+            self._lifecycle.expire_holds(engine, now)  # holds_active is read at scrape time
             for cls, streak in engine.evidence.items():
                 self._metrics.evidence_streak.labels(engine.id, cls.value).set(streak)
             self._metrics.engine_eligible.labels(engine.id).set(
