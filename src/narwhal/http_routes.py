@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from narwhal.dataplane.errors import openai_error
+from narwhal.state.handoff import newest
 
 if TYPE_CHECKING:
     from narwhal.server import Router
@@ -84,10 +85,10 @@ def add_routes(app: web.Application, router: Router) -> None:
             {
                 "path": str(router.handoff.path),
                 "sequence": router.handoff.sequence,
-                "document": router.handoff.last_document or followed,
+                "document": newest(router.handoff.last_document, followed),
                 "resume": None
                 if verdict is None
-                else {"applied": verdict.ok, "reason": verdict.reason},
+                else {"applied": verdict.ok, "reason": verdict.reason, "code": verdict.code},
             }
         )
 

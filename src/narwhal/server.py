@@ -42,6 +42,7 @@ from narwhal.state.atomic import Filesystem, remove_stale_temps
 from narwhal.state.etcd_store import EtcdLeaseStore
 from narwhal.state.file_store import FileLeaseStore
 from narwhal.state.handoff import (
+    MAX_SEQUENCE,
     HandoffWriter,
     UnreadableHandoff,
     Verdict,
@@ -49,6 +50,7 @@ from narwhal.state.handoff import (
     check_document,
     load_schema,
     read_handoff,
+    refused,
 )
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
@@ -318,9 +320,9 @@ class Router:
         try:
             raw = await asyncio.to_thread(read_handoff, path)
         except UnreadableHandoff as exc:
-            verdict = Verdict(False, str(exc))
+            verdict = refused("unreadable", str(exc))
         else:
-            verdict = check_document(raw, self.config, load_schema())
+            verdict = check_document(raw, self.config, load_schema(), now_wall_s=self.clock.wall())
         if verdict.ok and verdict.document is not None:
             apply_document(verdict.document, self.fleet, self.clock)
             self.handoff.continue_from(verdict.document)
@@ -328,6 +330,8 @@ class Router:
         else:
             log.warning("resume: starting fresh: %s", verdict.reason)
         self.metrics.handoff_resume.labels("applied" if verdict.ok else "refused").inc()
+        if not verdict.ok:
+            self.metrics.handoff_resume_refusals.labels(verdict.code).inc()
         self.resume_verdict = verdict
         return verdict
 
@@ -339,8 +343,12 @@ class Router:
             sequence = orjson.loads(raw)["sequence"] if raw else None
         except (UnreadableHandoff, orjson.JSONDecodeError, TypeError, KeyError):
             return
-        if isinstance(sequence, int) and not isinstance(sequence, bool):
-            self.handoff.sequence = max(self.handoff.sequence, sequence)
+        if sequence is not None and not self.handoff.continue_numbering(sequence):
+            log.warning(
+                "handoff: ignoring saved sequence %r (not an integer in [1, %d])",
+                sequence,
+                MAX_SEQUENCE,
+            )
 
     def roles_without_capacity(self) -> list[Any]:
         now = self.clock.monotonic()

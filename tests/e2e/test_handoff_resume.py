@@ -95,6 +95,11 @@ async def resume_metrics(rr: RunningRouter) -> tuple[float | None, float | None]
     )
 
 
+async def refusal_metric(rr: RunningRouter, code: str) -> float | None:
+    text = (await get(rr.url + "/metrics"))[1]
+    return metric(text, f'narwhal_handoff_resume_refusals_total{{reason="{code}"}}')
+
+
 def save(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
@@ -284,6 +289,21 @@ async def test_without_resume_nothing_is_applied_but_the_sequence_continues(
     assert read_doc(router.handoff.path)["sequence"] > saved["sequence"]
 
 
+async def test_without_resume_a_huge_saved_sequence_is_ignored_not_continued(
+    live: list[dict[str, Any]], start_router: StartRouter, tmp_path: Path
+) -> None:
+    """A sequence beyond JSON-safe integers would make every later write fail to serialise
+    (`/ready`: `monitoring degraded: handoff TypeError`); it is ignored instead."""
+    path = tmp_path / "state" / "handoff.json"
+    save(path, _huge_sequence(live, tmp_path))
+    rr = await start_router(live)
+    router = rr.router
+    await eventually(lambda: router.handoff.writes >= 3, what="three writes after the start")
+    assert router.monitor.to_json()["streak"] == 0
+    assert (await get(rr.url + "/ready")) == (200, "ready")
+    assert 3 <= read_doc(path)["sequence"] <= router.handoff.writes
+
+
 class BreakableFilesystem(Filesystem):
     def __init__(self) -> None:
         self.broken = False
@@ -395,23 +415,39 @@ def _tampered(live: list[dict[str, Any]], tmp: Path) -> bytes:
     return json.dumps(doc, indent=2).encode()
 
 
+def _huge_sequence(live: list[dict[str, Any]], tmp: Path) -> bytes:
+    return encode(reseal({**offline_document(live, tmp), "sequence": 2**64 - 1}))
+
+
+def _two_drains(live: list[dict[str, Any]], tmp: Path) -> bytes:
+    doc = offline_document(live, tmp)
+    holds = doc["engines"]["p0"]["holds"]
+    holds.append(dict(holds[0]))
+    return encode(reseal(doc))
+
+
 REFUSALS = [
     pytest.param(_added, ENGINE_SET_PREFIX + "in config only ['p1'], in handoff only []",
-                 id="engine-added"),
+                 "engine_set", id="engine-added"),
     pytest.param(_removed, ENGINE_SET_PREFIX + "in config only [], in handoff only ['d9']",
-                 id="engine-removed"),
+                 "engine_set", id="engine-removed"),
     pytest.param(_moved, ENGINE_SET_PREFIX + "in config only ['p1'], in handoff only ['p1']",
-                 id="url-changed"),
+                 "engine_set", id="url-changed"),
     pytest.param(_schema_v2, "schema 'narwhal.handoff/2' does not match 'narwhal.handoff/1'",
-                 id="schema-version"),
-    pytest.param(_truncated, "not valid JSON (truncated or corrupt): ", id="truncated"),
+                 "schema_version", id="schema-version"),
+    pytest.param(_truncated, "not valid JSON (truncated or corrupt): ", "invalid_json",
+                 id="truncated"),
     pytest.param(_tampered, "checksum mismatch: the document was modified after it was written",
-                 id="tampered"),
-    pytest.param(None, "no handoff file", id="missing"),
+                 "checksum", id="tampered"),
+    pytest.param(_huge_sequence, "fails the schema at sequence: 18446744073709551615 is "
+                 "greater than the maximum of 9007199254740991", "schema", id="huge-sequence"),
+    pytest.param(_two_drains, "impossible values: p0 has 2 operator_drain holds", "impossible",
+                 id="two-drains"),
+    pytest.param(None, "no handoff file", "missing", id="missing"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("make", "expected"), REFUSALS)
+@pytest.mark.parametrize(("make", "expected", "code"), REFUSALS)
 async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_fresh(
     live: list[dict[str, Any]],
     start_router: StartRouter,
@@ -419,6 +455,7 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
     caplog: pytest.LogCaptureFixture,
     make: Callable[[list[dict[str, Any]], Path], bytes] | None,
     expected: str,
+    code: str,
 ) -> None:
     caplog.set_level(logging.INFO, logger="narwhal.router")
     path = tmp_path / "state" / "handoff.json"
@@ -436,6 +473,8 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
         assert verdict.reason == expected
     assert f"resume: starting fresh: {verdict.reason}" in caplog.messages
     assert await resume_metrics(rr) == (None, 1.0)
+    assert await refusal_metric(rr, code) == 1.0
+    assert (await get_json(rr.url + "/admin/handoff"))["resume"]["code"] == code
     # Fresh: nothing of the refused document was applied, and the router serves.
     engines = await engines_by_id(rr)
     assert all(e["holds"] == [] and e["ejected"] is None for e in engines.values())
@@ -455,7 +494,8 @@ def _saved_sequence(raw: bytes | None) -> int:
         sequence = json.loads(raw or b"")["sequence"]
     except (ValueError, KeyError, TypeError):
         return 0
-    return sequence if isinstance(sequence, int) else 0
+    in_range = isinstance(sequence, int) and 1 <= sequence <= 2**53 - 1
+    return sequence if in_range else 0
 
 
 @pytest.mark.parametrize("case", ["applied", "refused"])
@@ -485,6 +525,7 @@ async def test_an_unreadable_handoff_is_refused_not_a_crash(
     verdict = rr.router.resume_verdict
     assert verdict is not None and not verdict.ok
     assert await resume_metrics(rr) == (None, 1.0)
+    assert await refusal_metric(rr, "unreadable") == 1.0
 
 
 async def test_an_inference_verification_hold_is_restored_then_probed_and_cleared(

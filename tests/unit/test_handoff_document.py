@@ -31,12 +31,15 @@ from narwhal.control.stages import consolidation_risk
 from narwhal.engine.failures import EngineFailure, FailureClass
 from narwhal.state.atomic import Filesystem
 from narwhal.state.handoff import (
+    CLOCK_SKEW_ALLOWANCE_S,
+    REFUSAL_CODES,
     SCHEMA,
     HandoffWriter,
     apply_document,
     build_document,
     check_document,
     load_schema,
+    newest,
 )
 from narwhal.telemetry.metrics import Metrics
 from tests.support.router import router_config
@@ -577,3 +580,205 @@ async def test_a_document_that_reached_the_destination_keeps_its_sequence_number
     rig.clock.advance(1)
     await writer.stage(rig.clock.monotonic())
     assert json.loads(path.read_bytes())["sequence"] > on_disk["sequence"]
+
+
+# --------------------------------------------------------------------------- impossible values
+T0, T5 = 1_800_000_000.0, 1_800_000_005.0  # the fixture's hold/ejection time and written_at
+
+
+def _edit(change: Any) -> Any:
+    """A mutation on a deep copy of the saved document, resealed (only the value is wrong)."""
+
+    def mutate(doc: dict[str, Any]) -> dict[str, Any]:
+        copy = json.loads(encode(doc))
+        change(copy)
+        return seal(copy)
+
+    return mutate
+
+
+def _engines(d: dict[str, Any]) -> dict[str, Any]:
+    engines: dict[str, Any] = d["engines"]
+    return engines
+
+
+IMPOSSIBLE = [
+    pytest.param(
+        _edit(lambda d: d["engine_set"].append(dict(d["engine_set"][0]))),
+        "impossible values: engine_set lists ['p0'] twice",
+        "impossible",
+        id="duplicate-engine-id",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["p1"]["holds"].append(dict(_engines(d)["p1"]["holds"][0]))),
+        "impossible values: p1 has 2 operator_drain holds",
+        "impossible",
+        id="two-drains",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["p2"]["holds"][0].__setitem__("deadline", T0 - 1)),
+        "impossible values: p2 performance_drift hold ends before it began",
+        "impossible",
+        id="deadline-before-since",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["p1"]["holds"][0].__setitem__("deadline", T0 + 60)),
+        "impossible values: p1 operator_drain hold has a deadline (operator_drain has none)",
+        "impossible",
+        id="drain-with-deadline",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["d0"]["holds"][0].__setitem__("deadline", T0 + 60)),
+        "impossible values: d0 planned_maintenance hold has a deadline "
+        "(planned_maintenance has none)",
+        "impossible",
+        id="maintenance-with-deadline",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["d1"]["ejection"].__setitem__("evidence", {"bogus": 3})),
+        "fails the schema at engines/d1/ejection/evidence: 'bogus' is not one of ['connection', "
+        "'timeout', 'stream', 'overload', 'inference_status', 'kv_handoff']",
+        "schema",
+        id="evidence-unknown-class",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["d1"]["ejection"].__setitem__("evidence", {"connection": -3})),
+        "fails the schema at engines/d1/ejection/evidence/connection: -3 is less than the "
+        "minimum of 0",
+        "schema",
+        id="evidence-negative",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["p0"].__setitem__("generation", -1.0)),
+        "fails the schema at engines/p0/generation: -1.0 is less than the minimum of 0",
+        "schema",
+        id="negative-generation",
+    ),
+    pytest.param(
+        _edit(lambda d: d["counters"]["failures"]["p0"].__setitem__("bogus", 1)),
+        "fails the schema at counters/failures/p0: 'bogus' is not one of ['connection', "
+        "'timeout', 'stream', 'overload', 'inference_status', 'kv_handoff']",
+        "schema",
+        id="counter-unknown-class",
+    ),
+    pytest.param(
+        _edit(lambda d: d.__setitem__("sequence", 2**64 - 1)),
+        "fails the schema at sequence: 18446744073709551615 is greater than the maximum "
+        "of 9007199254740991",
+        "schema",
+        id="sequence-beyond-json-safe",
+    ),
+    pytest.param(
+        _edit(lambda d: d.__setitem__("written_at", T5 + 3600)),
+        f"impossible values: written_at {T5 + 3600} is in the future",
+        "impossible",
+        id="written-in-the-future",
+    ),
+    pytest.param(
+        _edit(lambda d: _engines(d)["d1"]["ejection"].__setitem__("at", T5 + 3600)),
+        f"impossible values: d1 ejection at {T5 + 3600} is in the future",
+        "impossible",
+        id="ejected-in-the-future",
+    ),
+    pytest.param(
+        _edit(lambda d: d["counters"]["failures"].__setitem__("x9", {"timeout": 1})),
+        "impossible values: counters.failures for engines not configured: ['x9']",
+        "impossible",
+        id="failure-counter-unknown-engine",
+    ),
+    pytest.param(
+        _edit(lambda d: d["counters"]["ejections"].__setitem__("x9", 1)),
+        "impossible values: counters.ejections for engines not configured: ['x9']",
+        "impossible",
+        id="ejection-counter-unknown-engine",
+    ),
+    pytest.param(
+        _edit(lambda d: d["counters"]["readmissions"].__setitem__("x9", 1)),
+        "impossible values: counters.readmissions for engines not configured: ['x9']",
+        "impossible",
+        id="readmission-counter-unknown-engine",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mutate", "expected", "code"), IMPOSSIBLE)
+def test_an_impossible_value_is_refused_with_a_clear_reason(
+    saved: dict[str, Any], config: Config, mutate: Any, expected: str, code: str
+) -> None:
+    verdict = check_document(encode(mutate(saved)), config, SCHEMA_JSON, now_wall_s=T5)
+    assert (verdict.ok, verdict.reason, verdict.code) == (False, expected, code)
+    assert verdict.document is None
+
+
+def test_times_within_the_clock_skew_allowance_are_accepted(
+    saved: dict[str, Any], config: Config
+) -> None:
+    """A writer whose clock runs ahead of the reader's by less than the allowance is fine."""
+    early = T5 - CLOCK_SKEW_ALLOWANCE_S + 1
+    assert check_document(encode(saved), config, SCHEMA_JSON, now_wall_s=early).ok
+    late = T5 - CLOCK_SKEW_ALLOWANCE_S - 1
+    verdict = check_document(encode(saved), config, SCHEMA_JSON, now_wall_s=late)
+    assert verdict.reason == f"impossible values: written_at {T5} is in the future"
+
+
+REASON_CODES = [
+    pytest.param(lambda d: None, "missing", id="missing"),
+    pytest.param(lambda d: encode(d)[:40], "invalid_json", id="invalid_json"),
+    pytest.param(lambda d: b"[]", "not_object", id="not_object"),
+    pytest.param(lambda d: encode(seal({**d, "schema": "x/2"})), "schema_version", id="version"),
+    pytest.param(lambda d: encode({**d, "sequence": 0}), "schema", id="schema"),
+    pytest.param(lambda d: encode({**d, "sequence": 99}), "checksum", id="checksum"),
+    pytest.param(lambda d: encode(seal({**d, "engine_set": []})), "engine_set", id="engine_set"),
+    pytest.param(lambda d: encode(seal({**d, "engines": {}})), "impossible", id="impossible"),
+]
+
+
+@pytest.mark.parametrize(("make", "code"), REASON_CODES)
+def test_every_refusal_carries_its_reason_code(
+    saved: dict[str, Any], config: Config, make: Any, code: str
+) -> None:
+    verdict = check_document(make(saved), config, SCHEMA_JSON)
+    assert (verdict.ok, verdict.code) == (False, code)
+    assert code in REFUSAL_CODES
+
+
+def test_an_accepted_document_has_the_code_applied(saved: dict[str, Any], config: Config) -> None:
+    assert check_document(encode(saved), config, SCHEMA_JSON, now_wall_s=T5).code == "applied"
+
+
+@pytest.mark.parametrize(
+    ("saved_sequence", "taken"),
+    [(41, True), (2**53 - 1, True), (2**53, False), (2**64 - 1, False), (0, False),
+     (-5, False), (True, False), (41.0, False), ("41", False), (None, False)],
+)  # fmt: skip
+def test_only_a_json_safe_saved_sequence_is_continued(
+    config: Config, tmp_path: Path, saved_sequence: Any, taken: bool
+) -> None:
+    rig = Rig(config)
+    writer = HandoffWriter(tmp_path / "h.json", "r", rig.fleet, rig.clock, dict, lambda: None)
+    writer.sequence = 3
+    assert writer.continue_numbering(saved_sequence) is taken
+    assert writer.sequence == (saved_sequence if taken else 3)
+    orjson.dumps(writer.document())  # the next document still serialises
+
+
+def _doc(epoch: int | None, sequence: int) -> dict[str, Any]:
+    return {"writer": {"lease_epoch": epoch}, "sequence": sequence}
+
+
+@pytest.mark.parametrize(
+    ("own", "followed", "expected"),
+    [
+        (None, None, None),
+        (_doc(3, 10), None, _doc(3, 10)),
+        (None, _doc(3, 10), _doc(3, 10)),
+        (_doc(3, 50), _doc(4, 2), _doc(4, 2)),  # a fenced ex-active: the newer epoch wins
+        (_doc(4, 9), _doc(4, 8), _doc(4, 9)),
+        (_doc(4, 8), _doc(4, 9), _doc(4, 9)),
+        (_doc(None, 7), _doc(1, 1), _doc(1, 1)),
+    ],
+)
+def test_the_newest_document_is_by_epoch_then_sequence(
+    own: dict[str, Any] | None, followed: dict[str, Any] | None, expected: Any
+) -> None:
+    assert newest(own, followed) == expected

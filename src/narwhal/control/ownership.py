@@ -125,7 +125,7 @@ class Ownership:
             return
         if raw is None:
             return
-        verdict = check_document(raw, self._cfg, self._schema)
+        verdict = check_document(raw, self._cfg, self._schema, now_wall_s=self._clock.wall())
         if not verdict.ok or verdict.document is None:
             self.follow_error = verdict.reason
             return

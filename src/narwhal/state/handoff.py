@@ -43,12 +43,15 @@ def _checksum(doc: dict[str, Any]) -> str:
 
 
 def _hold_json(hold: Hold) -> dict[str, Any]:
-    return {
+    doc: dict[str, Any] = {
         "name": hold.name.value,
         "reason": hold.reason,
         "since": hold.since_wall,
         "deadline": hold.deadline_wall,
     }
+    if hold.newer_than is not None:  # planned maintenance: the generation to beat
+        doc["newer_than"] = hold.newer_than
+    return doc
 
 
 def engine_document(engine: EngineState) -> dict[str, Any]:
@@ -97,58 +100,146 @@ def build_document(
     return doc
 
 
+MAX_SEQUENCE = 2**53 - 1
+"""The largest `sequence` a document may carry: exact in every JSON implementation (IEEE
+doubles), and far beyond any real run. A larger saved number is refused, never continued."""
+
+CLOCK_SKEW_ALLOWANCE_S = 60.0
+"""How far in the future (by the reader's wall clock) a saved time may lie before the document
+is called impossible: tolerates clock skew between routers sharing the file."""
+
+UNTIMED_HOLDS = frozenset({HoldName.OPERATOR_DRAIN.value, HoldName.PLANNED_MAINTENANCE.value})
+"""Holds that end only by an operator's readmission: a saved deadline on one is impossible."""
+
+REFUSAL_CODES = (
+    "missing",
+    "unreadable",
+    "invalid_json",
+    "not_object",
+    "schema_version",
+    "schema",
+    "checksum",
+    "engine_set",
+    "impossible",
+)
+"""The fixed set of `Verdict.code` values of a refusal (the `reason` label of
+`narwhal_handoff_resume_refusals_total`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """Whether a saved handoff may be applied, and exactly why not."""
+    """Whether a saved handoff may be applied, and exactly why not (`code`: one of
+    `REFUSAL_CODES`, or `applied`)."""
 
     ok: bool
     reason: str
     document: dict[str, Any] | None = None
+    code: str = "applied"
 
 
-def check_document(raw: bytes | None, config: Config, schema: dict[str, Any]) -> Verdict:
-    """Validate a saved handoff against the schema, its checksum and the configured fleet."""
+def refused(code: str, reason: str) -> Verdict:
+    assert code in REFUSAL_CODES, code
+    return Verdict(False, reason, None, code)
+
+
+def check_document(
+    raw: bytes | None,
+    config: Config,
+    schema: dict[str, Any],
+    *,
+    now_wall_s: float | None = None,
+) -> Verdict:
+    """Validate a saved handoff against the schema, its checksum and the configured fleet.
+
+    `now_wall_s` (the reader's wall clock) enables the check that no saved time lies in the
+    future beyond `CLOCK_SKEW_ALLOWANCE_S`; without it that check is skipped."""
     if raw is None:
-        return Verdict(False, "no handoff file")
+        return refused("missing", "no handoff file")
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return Verdict(False, f"not valid JSON (truncated or corrupt): {exc}")
+        return refused("invalid_json", f"not valid JSON (truncated or corrupt): {exc}")
     if not isinstance(doc, dict):
-        return Verdict(False, "not a JSON object")
+        return refused("not_object", "not a JSON object")
     if doc.get("schema") != SCHEMA:
-        return Verdict(False, f"schema {doc.get('schema')!r} does not match {SCHEMA!r}")
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(schema).iter_errors(doc)
-    )
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path) or "(document)"
-        return Verdict(False, f"fails the schema at {where}: {error.message}")
+        return refused("schema_version", f"schema {doc.get('schema')!r} does not match {SCHEMA!r}")
+    complaint = schema_complaint(doc, schema)
+    if complaint is not None:
+        return refused("schema", complaint)
     if doc["checksum"] != _checksum(doc):
-        return Verdict(False, "checksum mismatch: the document was modified after it was written")
+        return refused(
+            "checksum", "checksum mismatch: the document was modified after it was written"
+        )
+    ids = [e["id"] for e in doc["engine_set"]]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        return refused("impossible", f"impossible values: engine_set lists {duplicates} twice")
     saved = {(e["id"], e["url"]) for e in doc["engine_set"]}
     configured = {(e.id, e.url) for e in config.engines}
     if saved != configured:
         added = sorted(i for i, _ in configured - saved)
         removed = sorted(i for i, _ in saved - configured)
-        return Verdict(
-            False,
+        return refused(
+            "engine_set",
             f"engine set differs from the config: in config only {added}, "
             f"in handoff only {removed}",
         )
-    if set(doc["engines"]) != {e.id for e in config.engines}:
-        return Verdict(False, "impossible values: engines do not match engine_set")
-    for engine in config.engines:
-        role = Role(doc["engines"][engine.id]["role"])
-        if role not in KV_ROLE_PERMITS[engine.effective_kv_role]:
-            return Verdict(
-                False,
-                f"impossible values: {engine.id} role {role.value} is not "
-                f"permitted by kv_role {engine.effective_kv_role.value}",
-            )
+    problem = impossible_values(doc, config, now_wall_s)
+    if problem is not None:
+        return refused("impossible", f"impossible values: {problem}")
     return Verdict(
         True, f"applied handoff sequence {doc['sequence']} from {doc['writer']['router_id']}", doc
     )
+
+
+def schema_complaint(doc: Any, schema: dict[str, Any]) -> str | None:
+    """The JSON Schema's most relevant complaint about `doc`, or None when it validates."""
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(doc)
+    )
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(document)"
+    return f"fails the schema at {where}: {error.message}"
+
+
+def impossible_values(doc: dict[str, Any], config: Config, now_wall_s: float | None) -> str | None:
+    """What a schema-valid document with a good checksum may still get wrong: values no router
+    writes, which applied would give the fleet a state it cannot reach (None: nothing)."""
+    configured = {e.id for e in config.engines}
+    if set(doc["engines"]) != configured:
+        return "engines do not match engine_set"
+    latest = None if now_wall_s is None else now_wall_s + CLOCK_SKEW_ALLOWANCE_S
+    if latest is not None and doc["written_at"] > latest:
+        return f"written_at {doc['written_at']} is in the future"
+    for engine in config.engines:
+        saved = doc["engines"][engine.id]
+        role = Role(saved["role"])
+        if role not in KV_ROLE_PERMITS[engine.effective_kv_role]:
+            return (
+                f"{engine.id} role {role.value} is not "
+                f"permitted by kv_role {engine.effective_kv_role.value}"
+            )
+        ejection = saved["ejection"]
+        if ejection is not None and latest is not None and ejection["at"] > latest:
+            return f"{engine.id} ejection at {ejection['at']} is in the future"
+        names = [h["name"] for h in saved["holds"]]
+        for hold in saved["holds"]:
+            name = hold["name"]
+            if names.count(name) > 1:
+                return f"{engine.id} has {names.count(name)} {name} holds"
+            if name in UNTIMED_HOLDS and hold["deadline"] is not None:
+                return f"{engine.id} {name} hold has a deadline ({name} has none)"
+            if hold["deadline"] is not None and hold["deadline"] < hold["since"]:
+                return f"{engine.id} {name} hold ends before it began"
+            if latest is not None and hold["since"] > latest:
+                return f"{engine.id} {name} hold since {hold['since']} is in the future"
+    counters = doc["counters"]
+    for kind in ("failures", "ejections", "readmissions"):
+        unknown = sorted(set(counters[kind]) - configured)
+        if unknown:
+            return f"counters.{kind} for engines not configured: {unknown}"
+    return None
 
 
 def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
@@ -173,6 +264,7 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
                 h["since"],
                 deadline_mono=None if deadline is None else now_mono + (deadline - now_wall),
                 deadline_wall=deadline,
+                newer_than=h.get("newer_than"),
             )
         if saved["inference_verification"]:
             v = saved["inference_verification"]
@@ -180,6 +272,15 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
                 HoldName.INFERENCE_VERIFICATION, v["reason"], v["since"]
             )
     fleet.counters.restore(doc["counters"])
+
+
+def newest(*docs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The most recent of some documents by (writer lease epoch, sequence): what a fenced
+    ex-active reports is the newer document it followed, not its own older write."""
+    present = [d for d in docs if d is not None]
+    if not present:
+        return None
+    return max(present, key=lambda d: (d["writer"]["lease_epoch"] or 0, d["sequence"]))
 
 
 GuardedWrite = Callable[[dict[str, Any], bytes], Awaitable[None]]
@@ -245,6 +346,17 @@ class HandoffWriter:
         """Keep the sequence monotonic across restarts and takeovers."""
         self.sequence = max(self.sequence, int(doc["sequence"]))
         self.last_document = doc
+
+    def continue_numbering(self, saved: object) -> bool:
+        """Continue from a saved file's raw `sequence` (not applied otherwise): an integer in
+        [1, MAX_SEQUENCE] is taken; anything else is ignored (False). An out-of-range number,
+        if taken, would make every later write fail to serialise."""
+        if isinstance(saved, bool) or not isinstance(saved, int):
+            return False
+        if not 1 <= saved <= MAX_SEQUENCE:
+            return False
+        self.sequence = max(self.sequence, saved)
+        return True
 
 
 class UnreadableHandoff(Exception):

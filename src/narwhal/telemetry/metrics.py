@@ -176,6 +176,13 @@ class Metrics:
         self.handoff_resume = Counter(
             "narwhal_handoff_resume", "Resume decisions at start", ["result"], registry=r
         )
+        self.handoff_resume_refusals = Counter(
+            "narwhal_handoff_resume_refusals",
+            "Refused resumes by reason code: missing, unreadable, invalid_json, not_object, "
+            "schema_version, schema, checksum, engine_set, impossible",
+            ["reason"],
+            registry=r,
+        )
         self.handoff_writes = Counter(
             "narwhal_handoff_writes", "Handoff writes by result", ["result"], registry=r
         )
