@@ -439,11 +439,14 @@ async def test_killed_active_standby_serves_within_the_bound(pair: Pair) -> None
     before = await http.lease(a)
     assert before is not None and before["role"] == "active"
     assert before["holder"] == "router-a"
+    standby = await http.lease(b)  # a standby reports the record's time left, not null
+    assert standby is not None and standby["role"] == "standby"
+    assert 0 < standby["time_left_s"] <= t.ttl_s, standby
     async with pair.watch() as watch:
         killed = time.monotonic()
         a.kill()
         took_over = await _wait_ready(http, b, timeout_s=t.failover_bound_s + 5)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(1.5)
     failover = took_over - killed
     print(f"FAILOVER backend={pair.backend} kill->ready={failover:.3f}s "
           f"bound={t.failover_bound_s:.2f}s")  # fmt: skip
@@ -452,6 +455,11 @@ async def test_killed_active_standby_serves_within_the_bound(pair: Pair) -> None
     # router is ready: the killed one answers nothing, the standby only once it holds.
     assert not watch.split_brain(), watch.split_brain()
     assert all(s.a is None for s in watch.since(killed + 0.05))
+    # Exactly one ready from the takeover on: the standby keeps serving alone. (A sample is
+    # stamped when both answers are in; 0.5 s skips polls sent before the takeover.)
+    after_takeover = watch.since(took_over + 0.5)
+    assert after_takeover, "no poll after the takeover"
+    assert all(s.b == 200 for s in after_takeover), [s for s in after_takeover if s.b != 200]
     after = await http.lease(b)
     assert after is not None
     assert after["role"] == "active" and after["holder"] == "router-b"
