@@ -250,15 +250,15 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
         engine.role = Role(saved["role"])
         engine.generation = saved["generation"]
         ej = saved["ejection"]
-        engine.ejected = (
+        ejected = (
             Ejection(ej["cause"], ej["reason"], ej["at"], dict(ej["evidence"])) if ej else None
         )
-        engine.holds.clear()
+        holds: dict[HoldName, Hold] = {}
         for h in saved["holds"]:
             deadline = h["deadline"]
             if deadline is not None and deadline <= now_wall:
                 continue
-            engine.holds[HoldName(h["name"])] = Hold(
+            holds[HoldName(h["name"])] = Hold(
                 HoldName(h["name"]),
                 h["reason"],
                 h["since"],
@@ -268,10 +268,39 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
             )
         if saved["inference_verification"]:
             v = saved["inference_verification"]
-            engine.holds[HoldName.INFERENCE_VERIFICATION] = Hold(
+            holds[HoldName.INFERENCE_VERIFICATION] = Hold(
                 HoldName.INFERENCE_VERIFICATION, v["reason"], v["since"]
             )
+        _restore(fleet, engine, ejected, holds, now_mono)
     fleet.counters.restore(doc["counters"])
+
+
+def _restore(
+    fleet: Fleet,
+    engine: EngineState,
+    ejected: Ejection | None,
+    holds: dict[HoldName, Hold],
+    now_mono: float,
+) -> None:
+    """Set a saved ejection and holds; a change goes through `Fleet.transition` (logged
+    `from -> to (reason)` and counted), while re-applying what is already there (a standby
+    following every write) stays silent."""
+
+    def saved_view(h: Hold) -> tuple[object, ...]:  # what the document keeps of a hold
+        return (h.reason, h.since_wall, h.deadline_wall, h.newer_than)
+
+    def change(e: EngineState) -> None:
+        e.ejected = ejected
+        e.holds.clear()
+        e.holds.update(holds)
+
+    same = engine.ejected == ejected and {n: saved_view(h) for n, h in engine.holds.items()} == {
+        n: saved_view(h) for n, h in holds.items()
+    }
+    if same:
+        change(engine)
+    else:
+        fleet.transition(engine, now_mono, "restored from the handoff document", change)
 
 
 def newest(*docs: dict[str, Any] | None) -> dict[str, Any] | None:
