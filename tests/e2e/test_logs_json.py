@@ -3,7 +3,9 @@
 The router runs as a real process over engines on closed ports, so its health sweeps go
 silent and liveness ejects both engines: the engine transitions (`engine X: from -> to
 (reason)`), the lease acquisition and the start-up lines must all arrive as JSON objects with
-`ts`, `level`, `logger` and `message`, and nothing else may be written to stderr.
+`ts`, `level`, `logger` and `message`, and nothing else may be written to stderr. Events also
+carry structured fields: transitions `engine`, `from`, `to`, `reason`; lease changes `epoch`
+and `holder`; stage errors (a handoff path that is a directory) `stage` and `exception`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def serve_command() -> list[str]:
     return [sys.executable, "-m", "narwhal.cli.serve"]
 
 
-def write_config(tmp_path: Path) -> Path:
+def write_config(tmp_path: Path, **overrides: Any) -> Path:
     config = {
         "router_id": "json-logs",
         "listen": "127.0.0.1:0",
@@ -63,9 +65,30 @@ def write_config(tmp_path: Path) -> Path:
             "renew_interval_s": 2,
         },
     }
+    config.update(overrides)
     path = tmp_path / "narwhal.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def run_router(config: Path, done: Any, cwd: Path) -> tuple[int, list[str]]:
+    """Start `narwhal-serve --log-format json`, read stderr until `done`, stop it."""
+    proc = subprocess.Popen(
+        [*serve_command(), "--config", str(config), "--log-format", "json"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+    )
+    try:
+        lines = read_until(proc, done, timeout_s=20)
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, lines + rest.decode().splitlines()
 
 
 def read_until(proc: subprocess.Popen[bytes], done: Any, timeout_s: float) -> list[str]:
@@ -126,23 +149,8 @@ def both_ejected(lines: list[str]) -> bool:
 def test_json_log_lines_include_engine_transitions(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     started = time.time()
-    proc = subprocess.Popen(
-        [*serve_command(), "--config", str(config), "--log-format", "json"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=tmp_path,
-    )
-    try:
-        lines = read_until(proc, both_ejected, timeout_s=20)
-        proc.send_signal(signal.SIGTERM)
-        _, rest = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    lines += rest.decode().splitlines()
-    assert proc.returncode == 0
+    code, lines = run_router(config, both_ejected, tmp_path)
+    assert code == 0
 
     events = parse(lines)
     assert events, "no log output at all"
@@ -156,7 +164,12 @@ def test_json_log_lines_include_engine_transitions(tmp_path: Path) -> None:
 
     messages = [e["message"] for e in events]
     assert any(m.startswith("narwhal listening on http://127.0.0.1:") for m in messages)
-    assert any("lease" in e["logger"] and "acquired epoch 1" in e["message"] for e in events)
+    [acquired] = [
+        e for e in events if "lease" in e["logger"] and "acquired epoch 1" in e["message"]
+    ]
+    assert acquired["epoch"] == 1
+    assert acquired["holder"] == "json-logs"
+    assert acquired["lease_event"] == "acquired"
 
     ejections = {m["id"]: m for m in transitions(events) if m["after"] == "ejected"}
     assert set(ejections) == {"p0", "d0"}, messages
@@ -166,3 +179,41 @@ def test_json_log_lines_include_engine_transitions(tmp_path: Path) -> None:
     transition_events = [e for e in events if TRANSITION.match(e["message"])]
     assert {e["logger"] for e in transition_events} == {"narwhal.fleet"}
     assert {e["level"] for e in transition_events} == {"info"}
+    for e in transition_events:
+        m = TRANSITION.match(e["message"])
+        assert m is not None
+        assert (e["engine"], e["from"], e["to"], e["reason"]) == (
+            m["id"],
+            m["before"],
+            m["after"],
+            m["reason"],
+        ), e
+
+
+def handoff_stage_error(lines: list[str]) -> bool:
+    return any(
+        line.startswith("{") and json.loads(line).get("stage") == "handoff" for line in lines
+    )
+
+
+def test_a_stage_error_is_one_json_event_with_stage_and_exception(tmp_path: Path) -> None:
+    # The handoff path is a directory: every handoff write fails, a `handoff` stage error.
+    blocked = tmp_path / "state" / "handoff.json"
+    blocked.mkdir(parents=True)
+    config = write_config(
+        tmp_path,
+        handoff={"path": str(blocked)},
+        lease={"backend": "none"},
+        recovery={"liveness_misses": 1000, "eject_after": 1000},
+    )
+    code, lines = run_router(config, handoff_stage_error, tmp_path)
+    assert code == 0
+    errors = [e for e in parse(lines) if e.get("stage") is not None]
+    assert errors, lines
+    first = errors[0]
+    assert first["stage"] == "handoff"
+    assert first["exception"] == "IsADirectoryError"
+    assert first["logger"] == "narwhal.monitor"
+    assert first["level"] == "warning"
+    assert first["message"].startswith("monitor stage handoff failed: IsADirectoryError")
+    assert isinstance(first["detail"], str) and first["detail"]

@@ -116,7 +116,14 @@ class Fleet:
         before = engine.status(now)
         change(engine)
         after = engine.status(now)
-        log.info("engine %s: %s -> %s (%s)", engine.id, before, after, reason)
+        log.info(
+            "engine %s: %s -> %s (%s)",
+            engine.id,
+            before,
+            after,
+            reason,
+            extra={"engine": engine.id, "from": before, "to": after, "reason": reason},
+        )
         for hook in self._hooks:
             hook(engine, before, after, reason)
 

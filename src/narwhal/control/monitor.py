@@ -110,7 +110,13 @@ class Monitor:
                 cls = type(exc).__name__
                 results.append(StageResult(name, time.perf_counter() - t0, cls, str(exc)[:500]))
                 self._metrics.monitor_stage_errors.labels(name, cls).inc()
-                log.warning("monitor stage %s failed: %s: %s", name, cls, exc)
+                log.warning(
+                    "monitor stage %s failed: %s: %s",
+                    name,
+                    cls,
+                    exc,
+                    extra={"stage": name, "exception": cls, "detail": str(exc)[:500]},
+                )
             else:
                 results.append(StageResult(name, time.perf_counter() - t0))
             self._metrics.monitor_stage_seconds.labels(name).observe(results[-1].duration_s)

@@ -154,7 +154,19 @@ class LeaseKeeper:
     # ---------------------------------------------------------------- actions
     def _fence(self, reason: str) -> None:
         if self.role is not Role.FENCED:
-            log.error("lease: %s -> fenced (%s)", self.role.value, reason)
+            log.error(
+                "lease: %s -> fenced (%s)",
+                self.role.value,
+                reason,
+                extra={
+                    "lease_event": "fenced",
+                    "from": self.role.value,
+                    "to": "fenced",
+                    "reason": reason,
+                    "holder": self.router_id,
+                    "epoch": self.epoch,
+                },
+            )
         self.role = Role.FENCED
         self.fence_reason = reason
 
@@ -204,6 +216,14 @@ class LeaseKeeper:
             new.epoch,
             previous,
             ", preempted" if live else "",
+            extra={
+                "lease_event": "acquired",
+                "holder": self.router_id,
+                "epoch": new.epoch,
+                "previous_holder": record.holder if record else None,
+                "previous_epoch": record.epoch if record else None,
+                "preempted": live,
+            },
         )
         return True
 
