@@ -83,6 +83,11 @@ class HealthStages:
         self._last: dict[str, HealthResult] | None = None
 
     async def health(self, now: float) -> None:
+        """Check every engine concurrently, record the outcomes, then learn what is missing
+        about the healthy ones, concurrently too; the whole stage takes at most about
+        `engine.health_timeout_s`, however many engines are slow (a hanging `/metrics` or
+        `/v1/models` delays nothing: what was not learned in time is asked again next pass)."""
+        deadline = asyncio.get_running_loop().time() + self._cfg.engine.health_timeout_s
         self._last = None
         engines = [
             e
@@ -106,31 +111,38 @@ class HealthStages:
                 assert result.failure is not None
                 self._evidence.failure(engine.id, result.failure, "health")
         healthy = [e for e in engines if self._last[e.id].answer is Answer.OK]
-        await self._learn_model_limits([e for e in healthy if e.max_model_len is None])
-        await self._learn_generations([e for e in healthy if e.generation is None])
-        for engine in healthy:
-            await self._adapters(engine.config).learn(engine.config)
+        try:
+            async with asyncio.timeout_at(deadline), asyncio.TaskGroup() as group:
+                for engine in healthy:
+                    group.create_task(self._learn(engine))
+        except TimeoutError:
+            log.debug("health stage: learning cut off at the health timeout")
+        except ExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None  # the stage's error names the real class
 
-    async def _learn_generations(self, engines: list[EngineState]) -> None:
-        """Record each engine's process generation once, so maintenance can compare."""
-        for engine in engines:
+    async def _learn(self, engine: EngineState) -> None:
+        """What a healthy engine's identity and limits are, read once (the adapter's own
+        `learn` is cheap when it knows already)."""
+        if engine.max_model_len is None:
+            await self._learn_model_limit(engine)
+        if engine.generation is None:
             generation, _ = await self._adapters(engine.config).generation(engine.config)
             if generation is not None:
-                engine.generation = generation
+                engine.generation = generation  # so maintenance can compare
+        await self._adapters(engine.config).learn(engine.config)
 
-    async def _learn_model_limits(self, engines: list[EngineState]) -> None:
-        """Read `max_model_len` from `/v1/models` once per engine, for prompt-length checks."""
-        for engine in engines:
-            try:
-                reply = await control_get(
-                    self._client, engine.config, "/v1/models", self._cfg.engine.health_timeout_s
-                )
-                data = orjson.loads(reply.body)["data"]
-                limit = next(m.get("max_model_len") for m in data if m.get("id") == self._cfg.model)
-            except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, StopIteration):
-                continue
-            if isinstance(limit, int) and limit > 0:
-                engine.max_model_len = limit
+    async def _learn_model_limit(self, engine: EngineState) -> None:
+        """Read `max_model_len` from `/v1/models`, for prompt-length checks."""
+        try:
+            reply = await control_get(
+                self._client, engine.config, "/v1/models", self._cfg.engine.health_timeout_s
+            )
+            data = orjson.loads(reply.body)["data"]
+            limit = next(m.get("max_model_len") for m in data if m.get("id") == self._cfg.model)
+        except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, StopIteration):
+            return
+        if isinstance(limit, int) and limit > 0:
+            engine.max_model_len = limit
 
     async def liveness(self, now: float) -> None:
         results = self._last

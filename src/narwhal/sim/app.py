@@ -109,6 +109,8 @@ class SimApp:
         return json_response({"object": "list", "data": [card]})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if hang := self._faults.fire(FaultKind.METRICS_HANG):
+            await pause(self._sleeper, hang.spec.delay_s)
         return web.Response(
             body=self._metrics.render(), headers={"Content-Type": _METRICS_CONTENT_TYPE}
         )

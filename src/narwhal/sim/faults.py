@@ -22,6 +22,7 @@ class FaultKind(StrEnum):
     RESET_CONNECTIONS = "reset_connections"
     HEALTH_HANG = "health_hang"
     HEALTH_STATUS = "health_status"
+    METRICS_HANG = "metrics_hang"
     COMPLETION_STATUS = "completion_status"
     STALL_FIRST_TOKEN = "stall_first_token"
     STALL_MID_STREAM = "stall_mid_stream"
@@ -41,6 +42,7 @@ _PARAMS = ("duration_s", "delay_s", "status", "after_tokens", "model", "factor")
 _ALLOWED: dict[FaultKind, frozenset[str]] = {
     FaultKind.REFUSE_CONNECTIONS: frozenset({"duration_s"}),
     FaultKind.HEALTH_HANG: frozenset({"delay_s"}),
+    FaultKind.METRICS_HANG: frozenset({"delay_s"}),
     FaultKind.HEALTH_STATUS: frozenset({"status"}),
     FaultKind.COMPLETION_STATUS: frozenset({"status"}),
     FaultKind.STALL_FIRST_TOKEN: frozenset({"delay_s"}),
