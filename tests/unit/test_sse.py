@@ -22,6 +22,10 @@ def _event(i: int, text: str = "tok") -> bytes:
     )
 
 
+def _crlf(data: bytes) -> bytes:
+    return data.replace(b"\n", b"\r\n")
+
+
 def _scan(*chunks: bytes) -> SseScanner:
     scanner = SseScanner()
     for chunk in chunks:
@@ -48,12 +52,38 @@ CASES: list[tuple[str, list[bytes], bool, bool, int]] = [
     ("utf8-split-mid-codepoint", [_event(0, "é")[:40], _event(0, "é")[40:], DONE], True, False, 1),
     ("malformed-not-json", [b"data: hello\n\n", DONE], True, True, 0),
     ("malformed-unclosed-object", [b'data: {"a": 1\n\n', DONE], True, True, 0),
-    ("malformed-event-field", [b"event: message\n\n", DONE], True, True, 0),
+    ("malformed-unknown-field", [b"foo: bar\n\n", DONE], True, True, 0),
+    ("malformed-field-without-colon", [b"hello\n\n", DONE], True, True, 0),
     ("malformed-array", [b"data: [1, 2]\n\n", DONE], True, True, 0),
     ("malformed-done-variant", [b"data: [done]\n\n"], False, True, 0),
     ("malformed-garbage", [b"\x00\xff\n\n"], False, True, 0),
     ("malformed-before-done-split", [b"da", b"ta: oops\n", b"\n", DONE], True, True, 0),
     ("nothing-counted-after-done", [DONE, _event(0), b"garbage\n\n"], True, False, 0),
+    # The SSE format as other engines write it (not only as vLLM and the sim do).
+    ("crlf", [_crlf(_event(0)), _crlf(DONE)], True, False, 1),
+    (
+        "crlf-split-inside-separator",
+        [_crlf(_event(0))[:-1], b"\n", b"data: [DONE]\r", b"\n\r\n"],
+        True,
+        False,
+        1,
+    ),
+    ("cr-only", [_event(0).replace(b"\n", b"\r"), b"data: [DONE]\r\r"], True, False, 1),
+    ("cr-split-at-end", [b"data: [DONE]\r", b"\r"], True, False, 0),
+    ("data-without-space", [b'data:{"a": 1}\n\n', b"data:[DONE]\n\n"], True, False, 1),
+    ("trailing-whitespace", [b'data: {"a": 1}  \n\n', b"data: [DONE] \t\n\n"], True, False, 1),
+    (
+        "id-event-retry-ignored",
+        [b'id: 7\nevent: message\ndata: {"a": 1}\n\n', b"retry: 100\n\n", b"event: x\n\n", DONE],
+        True,
+        False,
+        1,
+    ),
+    ("field-without-value", [b'id\ndata: {"a": 1}\n\n', DONE], True, False, 1),
+    ("comment-line-inside-event", [b': ping\ndata: {"a": 1}\n\n', DONE], True, False, 1),
+    ("multi-line-data", [b'data: {"a":\ndata: 1}\n\n', DONE], True, False, 1),
+    ("empty-data-dispatches-nothing", [b"data:\n\n", DONE], True, False, 0),
+    ("malformed-after-event-field", [b"event: x\ndata: hello\n\n", DONE], True, True, 0),
 ]
 
 
@@ -81,6 +111,37 @@ def test_done_is_not_reported_before_its_terminator_arrives() -> None:
     assert scanner.done
 
 
+ERROR = b'data: {"error": {"message": "engine failed", "type": "internal", "code": 500}}\n\n'
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [_event(0), ERROR, DONE],
+        [_event(0) + ERROR[:12], ERROR[12:] + DONE],
+        [_crlf(_event(0)), _crlf(ERROR.replace(b"data: ", b"data:")), _crlf(DONE)],
+        [ERROR.replace(b"data: ", b"event: error\ndata: "), DONE],
+    ],
+    ids=["lf", "split", "crlf-no-space", "with-event-field"],
+)
+def test_an_in_band_error_event_is_reported_not_counted(chunks: list[bytes]) -> None:
+    scanner = _scan(*chunks)
+    assert scanner.error is not None and b'{"error"' in scanner.error
+    assert (scanner.done, scanner.malformed) == (True, False)
+    assert scanner.last is None or b'"error"' not in scanner.last
+
+
+def test_a_field_named_error_inside_a_chunk_is_not_an_error_event() -> None:
+    scanner = _scan(b'data: {"choices": [{"text": "error"}], "error": null}\n\n', DONE)
+    assert scanner.error is None
+    assert scanner.events == 1
+
+
+def test_the_first_error_event_is_kept() -> None:
+    scanner = _scan(ERROR, ERROR.replace(b"engine failed", b"second"), DONE)
+    assert scanner.error is not None and b"engine failed" in scanner.error
+
+
 def test_odd_blank_line_between_events_is_not_malformed() -> None:
     """Regression: '\\n\\n\\n' used to glue a '\\n' onto the next event (malformed, no DONE)."""
     scanner = _scan(_event(0) + b"\n" + _event(1) + b"\n" + DONE)
@@ -103,7 +164,7 @@ _good_event = st.one_of(
 )
 _blank = st.sampled_from([b"\n", b"\n\n"])  # blank lines between events are legal SSE
 _bad_event = st.sampled_from(
-    [b"data: oops\n\n", b"event: x\n\n", b'data: {"a"\n\n', b"retry: 10\n\n", b"data: [1]\n\n"]
+    [b"data: oops\n\n", b"evnt: x\n\n", b'data: {"a"\n\n', b"retry 10\n\n", b"data: [1]\n\n"]
 )
 
 
@@ -151,3 +212,19 @@ def test_stream_with_a_malformed_event_is_malformed(
     stream = b"".join(before) + bad + b"".join(after) + DONE
     scanner = _scan(*_split(stream, cuts))
     assert scanner.malformed
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(_good_event | _blank, max_size=6),
+    st.lists(st.integers(0, 10_000), max_size=12),
+    st.sampled_from([b"\r\n", b"\r"]),
+)
+def test_valid_stream_with_other_line_endings_split_anywhere_is_done(
+    events: list[bytes], cuts: list[int], ending: bytes
+) -> None:
+    stream = (b"".join(events) + DONE).replace(b"\n", ending)
+    scanner = _scan(*_split(stream, cuts))
+    assert scanner.done
+    assert not scanner.malformed
+    assert scanner.events == stream.count(b"data: {")

@@ -55,6 +55,9 @@ from narwhal.telemetry.timeline import Timeline
 log = logging.getLogger("narwhal.proxy")
 
 _CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+# How long to wait, after [DONE], for the end of the engine's body so its connection can be
+# reused. The client's response is already complete; past this the connection is closed.
+_EOF_AFTER_DONE_S = 0.1
 
 
 class NoCapacity(Exception):
@@ -502,6 +505,7 @@ class DataPlane:
         leg_start = last_chunk = time.perf_counter()
         session = self._client.session(PoolKind.DATA)
         resp: aiohttp.ClientResponse | None = None
+        complete = False  # [DONE] arrived and reached the client
         try:
             async with asyncio.timeout_at(None) as timer:
                 watch = ReadWatchdog(loop, timer, first_deadline, request_deadline, idle_s)
@@ -546,6 +550,9 @@ class DataPlane:
                         except _CLIENT_GONE:
                             raise ClientGone() from None
                         last_chunk = now
+                        if scanner.done:
+                            complete = True
+                            break  # the answer is complete, whether or not the engine hangs up
                 except (aiohttp.ClientError, OSError) as exc:
                     raise self._fail(
                         engine, leg, classify_exception(exc, FailureClass.STREAM)
@@ -571,21 +578,32 @@ class DataPlane:
         except ClientGone:
             return _tag(client, "client_disconnect")
         finally:
-            if resp is not None:
-                if scanner.done and resp.content.at_eof():
-                    resp.release()  # keep the connection for reuse
-                else:
-                    resp.close()  # the engine sees the disconnect and aborts
+            if resp is not None and not complete:
+                resp.close()  # the engine sees the disconnect and aborts
         if not scanner.done:
             failure = self._fail(
                 engine, leg, EngineFailure(FailureClass.STREAM, "stream ended without [DONE]")
             )
             return await self._end_stream(request, client, attempt, failure, request_deadline)
-        self._succeed(engine, leg, SuccessKind.DECODE_DONE)
-        self._check_recompute(producer, engine, scanner.last)
-        if not await _finish(request, client, b"", request_deadline):
-            return _tag(client, "deadline")
-        return client
+        assert resp is not None
+        outcome = "ok"
+        if scanner.error is not None:
+            # The engine reported an error in band (then [DONE]): the client has it as sent;
+            # the engine is charged as for an error status.
+            detail = scanner.error[:200].decode(errors="replace")
+            self._fail(engine, leg, EngineFailure(FailureClass.INFERENCE_STATUS, detail))
+            outcome = "upstream_error_midstream"
+        else:
+            self._succeed(engine, leg, SuccessKind.DECODE_DONE)
+            self._check_recompute(producer, engine, scanner.last)
+        try:
+            if not await _finish(request, client, b"", request_deadline):
+                outcome = "deadline"
+        except BaseException:
+            resp.close()
+            raise
+        await _release_at_eof(resp)
+        return _tag(client, outcome)
 
     async def _end_stream(
         self,
@@ -619,6 +637,23 @@ async def _finish(
         _cut_off(request)
         return False
     return True
+
+
+async def _release_at_eof(resp: aiohttp.ClientResponse) -> None:
+    """After `[DONE]`: give the engine connection back for reuse once the body's end arrives,
+    which usually follows at once; an engine that holds the stream open is hung up on."""
+    content = resp.content
+    if not content.at_eof():
+        try:
+            async with asyncio.timeout(_EOF_AFTER_DONE_S):
+                while await content.readany():
+                    pass  # nothing after [DONE] is part of the answer
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass
+    if content.at_eof():
+        resp.release()
+    else:
+        resp.close()
 
 
 def _cut_off(request: web.Request) -> None:

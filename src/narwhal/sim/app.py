@@ -205,6 +205,7 @@ class SimApp:
             stall_s=None if stall is None else stall.spec.delay_s,
             no_done=self._faults.fire(FaultKind.NO_DONE, leg) is not None,
             malformed=self._faults.fire(FaultKind.MALFORMED_EVENT, leg) is not None,
+            error_event=self._faults.fire(FaultKind.ERROR_EVENT, leg) is not None,
         )
 
     # --- probes other routers send ----------------------------------------------------------

@@ -28,6 +28,7 @@ class FaultKind(StrEnum):
     STALL_MID_STREAM = "stall_mid_stream"
     NO_DONE = "no_done"
     MALFORMED_EVENT = "malformed_event"
+    ERROR_EVENT = "error_event"
     HANDOFF_GARBAGE = "handoff_garbage"
     HANDOFF_MISSING = "handoff_missing"
     WRONG_MODEL = "wrong_model"

@@ -16,6 +16,11 @@ from narwhal.sim.generation import JSON_FIRST, JSON_NEXT, Generated, text_of
 
 DONE = b"data: [DONE]\n\n"
 MALFORMED_EVENT = b'data: {"choices": [{"index": 0, "text": \n\n'
+# How vLLM reports an error during generation: this event, then `data: [DONE]`.
+ERROR_EVENT = (
+    b'data: {"error": {"object": "error", "message": "narwhal-sim: injected error_event", '
+    b'"type": "InternalServerError", "param": null, "code": 500}}\n\n'
+)
 _MARKER = "@@narwhal-sim-text@@"
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 

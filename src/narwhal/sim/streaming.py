@@ -15,7 +15,14 @@ from aiohttp import web
 from narwhal.sim.engine import Outcome
 from narwhal.sim.generation import token_text
 from narwhal.sim.latency import Sleeper, pause
-from narwhal.sim.shapes import DONE, MALFORMED_EVENT, ChunkTemplate, Envelope, usage
+from narwhal.sim.shapes import (
+    DONE,
+    ERROR_EVENT,
+    MALFORMED_EVENT,
+    ChunkTemplate,
+    Envelope,
+    usage,
+)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -26,6 +33,7 @@ class StreamFaults:
     stall_s: float | None = None  # for this long (None: forever)
     no_done: bool = False
     malformed: bool = False
+    error_event: bool = False  # after the first token: vLLM's in-band error event, then [DONE]
 
 
 def events(
@@ -44,6 +52,10 @@ def events(
             yield tpl.token(word, i), True
         if i == 0 and faults.malformed:
             yield MALFORMED_EVENT, False
+        if i == 0 and faults.error_event:
+            yield ERROR_EVENT, False
+            yield DONE, False
+            return
     if gen.finish_reason != "length":
         if faults.malformed and last < 0:
             yield MALFORMED_EVENT, False

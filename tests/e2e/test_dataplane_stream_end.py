@@ -1,0 +1,198 @@
+"""How a decode stream ends: an in-band error event, and an engine that keeps the connection
+open after `data: [DONE]`.
+
+vLLM reports an error during generation as `data: {"error": ...}` then `[DONE]`: the client
+gets the stream unchanged, and the decode engine is charged an `inference_status` failure (a
+streak holds it for inference verification), never a completed decode. An engine that sends
+`[DONE]` and then holds the connection open has answered: the router records the success, ends
+the client's response at once, and hangs up on the engine (no `stream` failure, no error event
+after `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from narwhal.engine.failures import FailureClass
+from tests.support.poll import eventually
+from tests.support.router import RunningRouter, StartRouter
+from tests.support.sim_process import SimFactory
+
+MODEL = "demo-model"
+PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
+DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
+NO_SWEEPS = {"monitor_interval_s": 30.0}  # one pass at start, then no probe during the test
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+async def _stream(http: aiohttp.ClientSession, rr: RunningRouter) -> tuple[int, bytes]:
+    body = {"model": MODEL, "prompt": "how streams end", "max_tokens": 8, "stream": True}
+    async with http.post(rr.url + "/v1/completions", json=body) as resp:
+        return resp.status, await resp.read()
+
+
+async def _metric(
+    http: aiohttp.ClientSession, rr: RunningRouter, name: str, **labels: str
+) -> float:
+    async with http.get(rr.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
+    state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
+    return [h["name"] for h in state["holds"]]
+
+
+# ------------------------------------------------------------------ in-band error events
+async def test_an_in_band_error_event_is_forwarded_and_charged_as_inference_status(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    p0, d0 = sim_factory.start_many([PREFILL, DECODE])
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": d0.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+    )  # fmt: skip
+    d0.add_fault({"kind": "error_event", "leg": "decode", "count": 1})
+
+    status, raw = await _stream(http, rr)
+    assert status == 200
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-2].startswith(b'data: {"error": {'), raw  # as the engine sent it
+    assert raw.endswith(DONE)
+    assert rr.router.fleet.get("d0").evidence == {FailureClass.INFERENCE_STATUS: 1}
+    assert (
+        await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", leg="decode",
+                      outcome="inference_status")
+        == 1
+    )  # fmt: skip
+    assert (
+        await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", outcome="decode_done")
+        == 0
+    )
+
+    # A clean stream afterwards clears the streak (decode reaching its terminal marker).
+    status, raw = await _stream(http, rr)
+    assert status == 200 and raw.endswith(DONE)
+    assert rr.router.fleet.get("d0").evidence == {}
+
+
+async def test_a_streak_of_in_band_errors_holds_the_decode_for_inference_verification(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    p0, d0 = sim_factory.start_many([PREFILL, DECODE])
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": d0.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 2},
+    )  # fmt: skip
+    await eventually(lambda: rr.router.monitor.status.passes >= 1, what="the first pass")
+    d0.add_fault({"kind": "error_event", "leg": "decode", "count": 2})
+
+    for _ in range(2):
+        status, raw = await _stream(http, rr)
+        assert status == 200 and b'data: {"error"' in raw
+    assert "inference_verification" in _holds(rr, "d0")
+    assert _holds(rr, "p0") == []
+    assert rr.router.fleet.get("p0").evidence == {}
+
+
+# ------------------------------------------------------------ an engine that stays after [DONE]
+class LingeringEngine:
+    """A tiny decode engine that sends its events and `[DONE]`, then keeps the connection open
+    (until the router hangs up). It counts the requests whose connection the router closed."""
+
+    def __init__(self) -> None:
+        self.hung_up = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id": "x", "choices": [{"index": 0, "text": "hi"}]}\n\n')
+        await resp.write(DONE)
+        try:
+            await asyncio.sleep(60)  # the body never ends on its own
+        except asyncio.CancelledError:
+            self.hung_up += 1  # the router closed the connection (handler cancellation)
+            raise
+        return resp
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", _ok)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def _ok(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@pytest.fixture
+async def lingering() -> AsyncIterator[LingeringEngine]:
+    engine = LingeringEngine()
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def test_done_ends_the_stream_even_if_the_engine_keeps_the_connection_open(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession,
+    lingering: LingeringEngine,
+) -> None:  # fmt: skip
+    (p0,) = sim_factory.start_many([PREFILL])
+    idle_s = 1.0
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": lingering.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+        serving={"stream_idle_timeout_s": idle_s, "first_token_timeout_s": 2.0,
+                 "request_timeout_s": 10},
+    )  # fmt: skip
+
+    started = time.monotonic()
+    status, raw = await _stream(http, rr)
+    elapsed = time.monotonic() - started
+
+    assert status == 200
+    assert raw.endswith(DONE), raw  # no error event after [DONE]
+    assert elapsed < idle_s, "the client waited for the engine's silence"
+    assert rr.router.fleet.get("d0").evidence == {}
+    assert await _metric(http, rr, "narwhal_engine_failures_total") == 0
+    assert (
+        await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", outcome="decode_done")
+        == 1
+    )
+    await eventually(lambda: lingering.hung_up == 1, timeout_s=5, what="engine connection closed")
+    assert rr.router.fleet.get("d0").in_flight == 0
