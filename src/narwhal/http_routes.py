@@ -93,6 +93,9 @@ def add_routes(app: web.Application, router: Router) -> None:
         )
 
     def engine_or_404(request: web.Request) -> str | web.Response:
+        refusal = router.ownership.operator_refusal() if router.ownership is not None else None
+        if refusal is not None:  # a standby's change would be overwritten by the next handoff
+            return openai_error(409, refusal, "conflict_error")
         engine_id = request.match_info["engine_id"]
         if not router.fleet.has(engine_id):
             return openai_error(404, f"no engine {engine_id!r}", "not_found_error")
