@@ -310,3 +310,43 @@ async def _monitor_with_passes(
 ) -> dict[str, Any] | None:
     mon = await get_json(http, rr.url + "/admin/monitor")
     return mon if mon["passes"] >= n else None
+
+
+# With the defaults (recovery.eject_after 3 = recovery.liveness_misses 3) the health stage's
+# evidence and the liveness counter reach 3 on the same sweep; the health stage runs first
+# (docs/monitor.md, "Which stage ejects").
+
+
+async def test_with_defaults_a_killed_engine_is_ejected_for_connection(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Refused health checks are `connection` evidence, which ejects at once at its limit: the
+    health stage ejects before the liveness stage of the same pass counts the third miss."""
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    rr = await start_router(pd_fleet(prefill, d0, d1), engine=FAST_HEALTH)
+    assert rr.router.config.recovery.eject_after == rr.router.config.recovery.liveness_misses
+    await eventually(lambda: rr.router.monitor.status.passes >= 2, what="two passes")
+    d1.kill()
+    record = await eventually(lambda: _ejected(http, rr, "d1"), timeout_s=10, what="d1 ejected")
+    assert record["cause"] == "connection", record
+    assert record["evidence"]["connection"] == rr.router.config.recovery.eject_after
+    # The ejected engine's misses stop being counted: the liveness stage skips it.
+    assert (await engine(http, rr, "d1"))["liveness_misses"] < 3
+
+
+@pytest.mark.slow
+async def test_with_defaults_a_stopped_engine_is_ejected_for_liveness(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Timed-out health checks are `timeout` evidence, whose limit only schedules a suspect
+    health probe (in the background, up to a health timeout): the liveness stage of the same
+    pass ejects first."""
+    prefill, d0, d1 = sim_factory.start_many([list(PREFILL), list(DECODE), list(DECODE)])
+    rr = await start_router(pd_fleet(prefill, d0, d1), engine=FAST_HEALTH)
+    await eventually(lambda: rr.router.monitor.status.passes >= 2, what="two passes")
+    d1.freeze()
+    try:
+        record = await eventually(lambda: _ejected(http, rr, "d1"), timeout_s=10, what="d1 ejected")
+    finally:
+        d1.thaw()
+    assert record["cause"] == "liveness", record
