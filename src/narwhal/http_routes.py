@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING
 
+import orjson
 from aiohttp import web
 
 from narwhal.dataplane.errors import openai_error
@@ -58,17 +59,19 @@ def add_routes(app: web.Application, router: Router) -> None:
         body = router.metrics.render()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
-    def admin(handler: Handler) -> Handler:
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            if token is not None:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    denied = openai_error(401, "missing or wrong admin token", "unauthorized")
-                    denied.headers["WWW-Authenticate"] = 'Bearer realm="narwhal-admin"'
-                    return denied
-            return await handler(request)
+    @web.middleware
+    async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every `/admin` path needs the token before anything else is decided (404, 405,
+        400): an unauthenticated caller learns nothing and changes nothing."""
+        if token is not None and (request.path == "/admin" or request.path.startswith("/admin/")):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                denied = openai_error(401, "missing or wrong admin token", "unauthorized")
+                denied.headers["WWW-Authenticate"] = 'Bearer realm="narwhal-admin"'
+                return denied
+        return await handler(request)
 
-        return guarded
+    app.middlewares.append(admin_auth)
 
     async def admin_engines(request: web.Request) -> web.StreamResponse:
         return web.json_response(
@@ -92,51 +95,73 @@ def add_routes(app: web.Application, router: Router) -> None:
             }
         )
 
-    def engine_or_404(request: web.Request) -> str | web.Response:
+    async def operator_request(request: web.Request) -> tuple[str, str | None] | web.Response:
+        """The engine id (404 if unknown) and the optional `reason` of an admin POST body.
+
+        No body, or an empty one, is fine; a body must be a JSON object whose `reason`, if
+        present, is a string (400 otherwise, before anything changes).
+        """
         refusal = router.ownership.operator_refusal() if router.ownership is not None else None
         if refusal is not None:  # a standby's change would be overwritten by the next handoff
             return openai_error(409, refusal, "conflict_error")
         engine_id = request.match_info["engine_id"]
         if not router.fleet.has(engine_id):
             return openai_error(404, f"no engine {engine_id!r}", "not_found_error")
-        return engine_id
+        raw = await request.read()
+        if not raw.strip():
+            return engine_id, None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return openai_error(400, f"body is not valid JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return openai_error(400, "body must be a JSON object", "invalid_request_error")
+        reason = body.get("reason")
+        if reason is not None and not isinstance(reason, str):
+            return openai_error(
+                400, "reason must be a string", "invalid_request_error", param="reason"
+            )
+        return engine_id, reason or None
 
     async def drain(request: web.Request) -> web.StreamResponse:
-        found = engine_or_404(request)
+        found = await operator_request(request)
         if isinstance(found, web.Response):
             return found
-        router.operator_drain(found)
-        return web.json_response({"engine": found, "hold": "operator_drain"})
+        engine_id, reason = found
+        router.operator_drain(engine_id, reason)
+        return web.json_response({"engine": engine_id, "hold": "operator_drain"})
 
     async def maintenance(request: web.Request) -> web.StreamResponse:
-        found = engine_or_404(request)
+        found = await operator_request(request)
         if isinstance(found, web.Response):
             return found
-        router.planned_maintenance(found)
-        return web.json_response({"engine": found, "hold": "planned_maintenance"})
+        engine_id, reason = found
+        await router.planned_maintenance(engine_id, reason)
+        return web.json_response({"engine": engine_id, "hold": "planned_maintenance"})
 
     async def readmit(request: web.Request) -> web.StreamResponse:
-        found = engine_or_404(request)
+        found = await operator_request(request)
         if isinstance(found, web.Response):
             return found
-        steps = await router.operator_readmit(found)
+        engine_id, reason = found
+        steps = await router.operator_readmit(engine_id, reason)
         ok = all(s["ok"] for s in steps)
         return web.json_response(
-            {"engine": found, "readmitted": ok, "steps": steps}, status=200 if ok else 409
+            {"engine": engine_id, "readmitted": ok, "steps": steps}, status=200 if ok else 409
         )
 
-    app.router.add_post("/admin/engines/{engine_id}/drain", admin(drain))
-    app.router.add_post("/admin/engines/{engine_id}/maintenance", admin(maintenance))
-    app.router.add_post("/admin/engines/{engine_id}/readmit", admin(readmit))
+    app.router.add_post("/admin/engines/{engine_id}/drain", drain)
+    app.router.add_post("/admin/engines/{engine_id}/maintenance", maintenance)
+    app.router.add_post("/admin/engines/{engine_id}/readmit", readmit)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/engines", admin(admin_engines))
-    app.router.add_get("/admin/monitor", admin(admin_monitor))
-    app.router.add_get("/admin/handoff", admin(admin_handoff))
+    app.router.add_get("/admin/engines", admin_engines)
+    app.router.add_get("/admin/monitor", admin_monitor)
+    app.router.add_get("/admin/handoff", admin_handoff)
 
     async def admin_lease(request: web.Request) -> web.StreamResponse:
         if router.ownership is None:
@@ -149,7 +174,7 @@ def add_routes(app: web.Application, router: Router) -> None:
             )
         return web.json_response(router.ownership.to_json())
 
-    app.router.add_get("/admin/lease", admin(admin_lease))
+    app.router.add_get("/admin/lease", admin_lease)
 
     page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
 
@@ -193,5 +218,5 @@ def add_routes(app: web.Application, router: Router) -> None:
         )
 
     app.router.add_get("/dashboard", dashboard)
-    app.router.add_get("/admin/dashboard", admin(admin_dashboard))
-    app.router.add_get("/admin/stats", admin(admin_stats))
+    app.router.add_get("/admin/dashboard", admin_dashboard)
+    app.router.add_get("/admin/stats", admin_stats)

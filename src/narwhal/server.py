@@ -141,6 +141,7 @@ class Router:
             rng or random.Random(),
             self.prober,
             self.adapters,
+            self.clock,
         )
         self.small = SmallStages(
             config,
@@ -179,7 +180,7 @@ class Router:
             "health": self._health_stage,
             "drains": self.small.drains,
             "rollover": self.small.rollover,
-            "readmission": self.readmission.stage,
+            "readmission": self._readmission_stage,
             "liveness": self.health.liveness,
             "telemetry": self._telemetry_stage,
             "handoff": self._handoff_stage,
@@ -224,6 +225,12 @@ class Router:
         if self._tasks is not None:
             return self._tasks.create_task(coro)
         return asyncio.get_running_loop().create_task(coro)
+
+    async def _readmission_stage(self, now: float) -> None:
+        """Start due readmission attempts as background tasks (a slow engine never delays
+        the pass); shutdown cancels them with the task group."""
+        if self._tasks is not None:
+            self.readmission.schedule(now, self._tasks.create_task)
 
     # ------------------------------------------------------------------ evidence actions
     def _on_evidence_action(
@@ -279,30 +286,43 @@ class Router:
             self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {detail}", now)
 
     # ------------------------------------------------------------------ operator actions
-    def operator_drain(self, engine_id: str) -> None:
-        engine = self.fleet.get(engine_id)
-        self.lifecycle.hold(
-            engine, HoldName.OPERATOR_DRAIN, "operator request", self.clock.monotonic()
-        )
-
-    def planned_maintenance(self, engine_id: str) -> None:
-        """Drain and require a strictly newer process generation before readmission."""
+    def operator_drain(self, engine_id: str, reason: str | None = None) -> None:
         engine = self.fleet.get(engine_id)
         self.lifecycle.hold(
             engine,
-            HoldName.PLANNED_MAINTENANCE,
-            f"planned maintenance at generation {engine.generation}",
+            HoldName.OPERATOR_DRAIN,
+            _with_reason("operator request", reason),
             self.clock.monotonic(),
         )
-        self.readmission.require_newer(engine, self.clock.wall())
 
-    async def operator_readmit(self, engine_id: str) -> list[dict[str, Any]]:
+    async def planned_maintenance(self, engine_id: str, reason: str | None = None) -> None:
+        """Drain and require a process strictly newer than the one running at request time.
+
+        The baseline is read from the engine now (see `Readmission.current_generation`) and
+        kept on the hold, so the handoff carries it through resume and takeover.
+        """
+        engine = self.fleet.get(engine_id)
+        baseline = await self.readmission.current_generation(engine, self.clock.wall())
+        self.lifecycle.hold(
+            engine,
+            HoldName.PLANNED_MAINTENANCE,
+            _with_reason(f"planned maintenance at generation {baseline}", reason),
+            self.clock.monotonic(),
+            newer_than=baseline,
+        )
+
+    async def operator_readmit(
+        self, engine_id: str, reason: str | None = None
+    ) -> list[dict[str, Any]]:
         """Run the verification pipeline now; success readmits and clears drains."""
         engine = self.fleet.get(engine_id)
         results = await self.readmission.verify(engine)
         if all(r.ok for r in results):
             self.lifecycle.readmit(
-                engine, "operator readmission verified", self.clock.monotonic(), operator=True
+                engine,
+                _with_reason("operator readmission verified", reason),
+                self.clock.monotonic(),
+                operator=True,
             )
         return [r.to_json() for r in results]
 
@@ -443,6 +463,11 @@ class Router:
                 await self.ownership.keeper.store.close()
             await runner.cleanup()
             await self.client.close()
+
+
+def _with_reason(what: str, operator_reason: str | None) -> str:
+    """A hold or transition reason with the operator's own words, when given."""
+    return f"{what}: {operator_reason}" if operator_reason else what
 
 
 def _request_ids() -> Callable[[], str]:

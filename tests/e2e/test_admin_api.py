@@ -164,6 +164,74 @@ async def test_wrong_method_is_405(
     assert [e["holds"] for e in await Admin(http, rr.url).engines()] == [[], []]
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/admin/engines/p0/drain"),
+        ("DELETE", "/admin/engines/p0/drain"),
+        ("POST", "/admin/engines"),
+        ("GET", "/admin/nope"),
+        ("GET", "/admin/engines/p0"),
+        ("GET", "/admin"),
+        ("PUT", "/admin/"),
+    ],
+)
+async def test_without_the_token_every_admin_path_is_401_before_404_or_405(
+    sims: Any, start_router: StartRouter, http: aiohttp.ClientSession, method: str, path: str
+) -> None:
+    rr = await guarded(start_router, sims)
+    status, body = await call(http, method, rr.url + path, None)
+    assert status == 401, body
+    assert body["error"]["type"] == "unauthorized"
+    # Outside /admin the router's own 404 stands.
+    async with http.get(rr.url + "/administrator") as resp:
+        assert resp.status == 404
+
+
+BAD_BODIES = {
+    "not-json": b"{not json",
+    "array": b'["reason"]',
+    "string": b'"drain it"',
+    "number": b"42",
+    "null": b"null",
+    "reason-number": b'{"reason": 7}',
+    "reason-object": b'{"reason": {"why": "x"}}',
+    "truncated": b'{"reason": "kernel',
+}
+
+
+@pytest.mark.parametrize("action", ["drain", "maintenance", "readmit"])
+@pytest.mark.parametrize("raw", list(BAD_BODIES.values()), ids=list(BAD_BODIES))
+async def test_a_malformed_admin_body_is_400_and_changes_nothing(
+    sims: Any, start_router: StartRouter, http: aiohttp.ClientSession, action: str, raw: bytes
+) -> None:
+    rr = await guarded(start_router, sims)
+    admin = Admin(http, rr.url)
+    url = f"{rr.url}/admin/engines/p0/{action}"
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    async with http.post(url, data=raw, headers=headers) as resp:
+        status, body = resp.status, await resp.json(content_type=None)
+    assert status == 400, body
+    assert body["error"]["code"] == 400 and body["error"]["type"] == "invalid_request_error"
+    e = await admin.engine("p0")
+    assert e["holds"] == [] and e["readmission"] == [], e  # not drained, nothing verified
+    assert 'narwhal_readmissions_total{engine="p0"' not in await admin.metrics()
+
+
+@pytest.mark.parametrize("raw", [b"", b"{}", b"  ", b'{"reason": "kernel 6.9 upgrade"}'])
+async def test_an_admin_body_may_be_empty_or_an_object_with_a_reason(
+    sims: Any, start_router: StartRouter, http: aiohttp.ClientSession, raw: bytes
+) -> None:
+    rr = await guarded(start_router, sims)
+    admin = Admin(http, rr.url)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with http.post(f"{rr.url}/admin/engines/p0/drain", data=raw, headers=headers) as r:
+        assert (r.status, await r.json()) == (200, {"engine": "p0", "hold": "operator_drain"})
+    (hold,) = (await admin.engine("p0"))["holds"]
+    reason = "kernel 6.9 upgrade" if b"reason" in raw else None
+    assert hold["reason"] == ("operator request: " + reason if reason else "operator request")
+
+
 async def test_token_from_an_environment_variable(
     sims: Any, start_router: StartRouter, http: aiohttp.ClientSession,
     monkeypatch: pytest.MonkeyPatch,

@@ -31,12 +31,6 @@ from tests.e2e.test_readmission_support import (
 from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory
 
-BUG_UNKNOWN_GENERATION = (
-    "BUG: Router.planned_maintenance() records engine.generation as the baseline even when it "
-    "is still None (the engine's /metrics was not readable yet); Readmission._generation then "
-    "accepts any generation, so the same process is readmitted out of planned maintenance"
-)
-
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
@@ -147,3 +141,39 @@ async def test_maintenance_requested_before_the_generation_is_known_still_needs_
         assert_failed_at(body["steps"], "generation_identity", "planned maintenance needs")
     finally:
         await front.close()
+
+
+@pytest.mark.slow
+async def test_maintenance_after_an_unnoticed_in_place_restart_still_needs_a_newer_process(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The baseline is the generation running at request time, read from the engine then, not
+    the one the router saw last (the health stage records a generation only once)."""
+    p0, p1, d0 = sim_factory.start_many([list(SLOW_PREFILL), list(SLOW_PREFILL), list(DECODE)])
+    rr = await start_router(two_prefill(p0, p1, d0), admin={"token": TOKEN})
+    admin = Admin(http, rr.url)
+    await admin.wait_ready()
+    gen0 = await asyncio.to_thread(p0.process_start_time)
+    await admin.wait_engine("p0", lambda e: e["generation"] == gen0, "generation learned")
+    await asyncio.to_thread(p0.add_fault, {"kind": "restart"})  # in place: nobody notices
+    gen1 = await asyncio.to_thread(p0.process_start_time)
+    assert gen1 > gen0
+    await admin.wait_passes(2)
+    assert (await admin.engine("p0"))["generation"] == gen0  # the router's record is stale
+
+    await admin.maintenance("p0")
+    e = await admin.engine("p0")
+    assert e["generation"] == gen1, e
+    assert e["holds"][0]["reason"] == f"planned maintenance at generation {gen1}", e
+    await admin.wait_passes(10)  # automatic attempts see the same process gen1
+    e = await admin.engine("p0")
+    assert hold_names(e) == ["planned_maintenance"] and e["eligible"] is False, e
+    assert_failed_at(e["readmission"], "generation_identity", f"newer than {gen1}")
+    status, body = await admin.readmit("p0")
+    assert status == 409, body
+    assert_failed_at(body["steps"], "generation_identity", f"newer than {gen1}")
+    assert hold_names(await admin.engine("p0")) == ["planned_maintenance"]
+
+    await asyncio.to_thread(p0.add_fault, {"kind": "restart"})  # the real maintenance restart
+    e = await admin.wait_engine("p0", in_service, "back in service by itself", timeout_s=20)
+    assert e["generation"] > gen1

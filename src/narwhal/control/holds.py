@@ -26,6 +26,8 @@ class Hold:
     """A hold and, for temporary ones, its deadline on both clocks.
 
     The monotonic deadline drives decisions; the wall deadline is what the handoff persists.
+    `newer_than` (planned maintenance only): readmission needs a process generation strictly
+    newer than this one, the generation running when maintenance was requested.
     """
 
     name: HoldName
@@ -33,6 +35,7 @@ class Hold:
     since_wall: float
     deadline_mono: float | None = None
     deadline_wall: float | None = None
+    newer_than: float | None = None
 
     def expired(self, now: float) -> bool:
         return self.deadline_mono is not None and now >= self.deadline_mono

@@ -65,13 +65,14 @@ class Lifecycle:
         reason: str,
         now: float,
         duration_s: float | None = None,
+        newer_than: float | None = None,
     ) -> None:
         if name in engine.holds and not engine.holds[name].expired(now):
             return
         hold = (
             self._temporary(name, reason, now, duration_s)
             if duration_s is not None
-            else Hold(name, reason, self._clock.wall())
+            else Hold(name, reason, self._clock.wall(), newer_than=newer_than)
         )
         self._fleet.transition(
             engine, now, f"hold {name.value}: {reason}", lambda e: e.holds.__setitem__(name, hold)

@@ -14,13 +14,14 @@ from typing import Any
 
 import orjson
 
+from narwhal.clock import Clock
 from narwhal.config import KV_ROLE_PERMITS, Config, Role
 from narwhal.control.attestation import Outcome, attest
 from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.health import Answer, check_health
-from narwhal.control.holds import HoldName
+from narwhal.control.holds import Hold, HoldName
 from narwhal.control.lifecycle import Lifecycle
-from narwhal.control.probes import Inconclusive, InferenceProber
+from narwhal.control.probes import Inconclusive, InferenceProber, Spawn
 from narwhal.engine.adapter import HandoffRefused
 from narwhal.engine.failures import EngineFailure
 from narwhal.engine.registry import Adapters
@@ -52,10 +53,30 @@ STEPS = (
 )
 
 
+MAX_DOUBLINGS = 60
+"""Past this many doublings any sane base is beyond any cap; a larger exponent would overflow a
+float (an engine that keeps failing counts attempts for as long as it stays out)."""
+
+
 def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
-    """Exponential backoff with a cap and full jitter in [delay/2, delay]."""
-    delay = min(cap_s, base_s * 2.0 ** max(0, attempt - 1))
+    """Exponential backoff with a cap and jitter in [delay/2, delay]."""
+    delay = min(cap_s, base_s * 2.0 ** min(max(0, attempt - 1), MAX_DOUBLINGS))
     return delay / 2 + rng.random() * delay / 2
+
+
+def attempt_due(engine: EngineState, now: float, next_try: float | None, running: bool) -> bool:
+    """Whether the readmission stage starts an attempt for `engine` now.
+
+    Ejected engines and engines under planned maintenance are retried once their backoff
+    passed, one attempt per engine at a time; an unexpired failure quarantine waits for its
+    deadline (or a successful health check). An engine that is only drained is never retried.
+    """
+    if engine.ejected is None and HoldName.PLANNED_MAINTENANCE not in engine.holds:
+        return False
+    if running or now < (next_try or 0.0):
+        return False
+    quarantine = engine.holds.get(HoldName.FAILURE_QUARANTINE)
+    return quarantine is None or quarantine.expired(now)
 
 
 class Readmission:
@@ -69,6 +90,7 @@ class Readmission:
         rng: random.Random,
         prober: InferenceProber,
         adapters: Adapters,
+        clock: Clock,
     ) -> None:
         self._cfg = config
         self._adapters = adapters
@@ -78,41 +100,84 @@ class Readmission:
         self._metrics = metrics
         self._rng = rng
         self._prober = prober
+        self._clock = clock
         self._next_try: dict[str, float] = {}
         self._attempts: dict[str, int] = {}
+        self._running: set[str] = set()
         self.last_results: dict[str, list[StepResult]] = {}
-        self._maintenance_generation: dict[str, float | None] = {}
 
-    def require_newer(self, engine: EngineState, requested_at_wall: float) -> None:
-        """Planned maintenance: readmission needs a process newer than the current one.
+    async def current_generation(self, engine: EngineState, requested_at_wall: float) -> float:
+        """The generation running now, read from the engine (planned maintenance's baseline).
 
-        When the current generation is not known yet, the request time is the baseline: a
-        process that started before maintenance was asked for is the old one.
+        The recorded generation may be stale (an in-place restart is not noticed by the health
+        stage), so it is read again. If it cannot be read, the request time is the baseline:
+        any process running now started before it.
         """
-        baseline = engine.generation if engine.generation is not None else requested_at_wall
-        self._maintenance_generation[engine.id] = baseline
+        generation, why = await self._adapters(engine.config).generation(engine.config)
+        if generation is None:
+            log.info(
+                "engine %s: generation unreadable (%s): maintenance baseline is the request time",
+                engine.id,
+                why,
+            )
+            return requested_at_wall
+        if engine.generation is None or generation > engine.generation:
+            engine.generation = generation
+        return generation
 
-    async def stage(self, now: float) -> None:
-        """Retry due ejected engines and engines under planned maintenance."""
+    def schedule(self, now: float, spawn: Spawn) -> None:
+        """The `readmission` stage: start due attempts in the background, never wait for one.
+
+        A slow engine must not delay the monitor pass; each attempt's result is applied by
+        `apply` when it ends.
+        """
         for engine in self._fleet:
-            maintenance = HoldName.PLANNED_MAINTENANCE in engine.holds
-            if engine.ejected is None and not maintenance:
+            if engine.ejected is None and HoldName.PLANNED_MAINTENANCE not in engine.holds:
                 self._next_try.pop(engine.id, None)
                 self._attempts.pop(engine.id, None)
                 continue
-            if now < self._next_try.get(engine.id, 0.0):
-                continue
-            quarantine = engine.holds.get(HoldName.FAILURE_QUARANTINE)
-            if quarantine is not None and not quarantine.expired(now):
-                continue  # quarantined until its deadline or a successful health check
+            running = engine.id in self._running
+            if attempt_due(engine, now, self._next_try.get(engine.id), running):
+                self._running.add(engine.id)
+                # The maintenance hold as it is now: the attempt checks against its baseline.
+                spawn(self._attempt(engine, engine.holds.get(HoldName.PLANNED_MAINTENANCE)))
+
+    async def _attempt(self, engine: EngineState, maintenance: Hold | None) -> None:
+        try:
             results = await self.verify(engine)
-            if all(r.ok for r in results):
-                self._lifecycle.readmit(engine, "verified", now)
-            else:
-                n = self._attempts.get(engine.id, 0) + 1
-                self._attempts[engine.id] = n
-                interval = self._cfg.controller.monitor_interval_s
-                self._next_try[engine.id] = now + backoff_s(n, interval, 30 * interval, self._rng)
+        except Exception:  # a bug must not take the task group (and the router) down
+            log.exception("engine %s: readmission attempt crashed", engine.id)
+            results = [StepResult("health", False, "readmission attempt crashed")]
+        finally:
+            self._running.discard(engine.id)
+        self.apply(engine, results, maintenance, self._clock.monotonic())
+
+    def apply(
+        self,
+        engine: EngineState,
+        results: list[StepResult],
+        maintenance_at_start: Hold | None,
+        now: float,
+    ) -> None:
+        """Readmit after a passed attempt, else back off; discard a result overtaken by events.
+
+        Maintenance requested while the attempt ran (its baseline was not checked), or an
+        engine already back in placement, makes the result stale: the next pass decides.
+        """
+        stale = engine.holds.get(HoldName.PLANNED_MAINTENANCE) is not maintenance_at_start
+        waiting = engine.ejected is not None or HoldName.PLANNED_MAINTENANCE in engine.holds
+        if stale or not waiting:
+            log.info("engine %s: readmission result discarded: state changed meanwhile", engine.id)
+            return
+        if all(r.ok for r in results):
+            self._lifecycle.readmit(engine, "verified", now)
+            self._next_try.pop(engine.id, None)  # a later ejection starts a fresh backoff
+            self._attempts.pop(engine.id, None)
+            return
+        n = self._attempts.get(engine.id, 0) + 1
+        self._attempts[engine.id] = n
+        interval = self._cfg.controller.monitor_interval_s
+        self._next_try[engine.id] = now + backoff_s(n, interval, 30 * interval, self._rng)
 
     async def verify(self, engine: EngineState) -> list[StepResult]:
         results: list[StepResult] = []
@@ -202,8 +267,11 @@ class Readmission:
             return False, why
         if engine.generation is not None and generation < engine.generation:
             return False, f"generation {generation} is older than last seen {engine.generation}"
-        if HoldName.PLANNED_MAINTENANCE in engine.holds:
-            before = self._maintenance_generation.get(engine.id, engine.generation)
+        maintenance = engine.holds.get(HoldName.PLANNED_MAINTENANCE)
+        if maintenance is not None:
+            before = maintenance.newer_than
+            if before is None:  # a hold restored from an older handoff: the last seen one
+                before = engine.generation
             if before is not None and generation <= before:
                 return False, f"planned maintenance needs a process newer than {before}"
         engine.generation = generation
