@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 
 from tests.e2e.test_readmission_support import (
     DECODE,
@@ -201,8 +202,12 @@ async def test_readmit_prints_every_step_and_exits_0(setup: Setup) -> None:
     assert result.code == 0, result
     e = await setup.admin.engine("p0")
     assert e["holds"] == []
-    expected = [f"ok   {s['step']}: {s['reason']}" for s in e["readmission"]]
+    labels = {"passed": "ok  ", "not_configured": "skip"}
+    expected = [f"{labels[s['status']]} {s['step']}: {s['reason']}" for s in e["readmission"]]
     assert result.out.splitlines() == [*expected, "readmitted"]
+    # No attestation configured: reported as such, not as a passed check.
+    attestation = [line for line in result.out.splitlines() if " attestation: " in line]
+    assert attestation == ["skip attestation: attestation not configured"], result.out
 
 
 @pytest.mark.parametrize("action", ["drain", "maintenance", "readmit"])
@@ -301,3 +306,124 @@ async def test_handoff_inspect_and_validate_a_live_routers_handoff(
 
     missing = await narwhal("handoff", "show", str(tmp_path / "nope.json"))
     assert missing.code == 1 and "no such file" in missing.err
+
+
+# --------------------------------------------------------------------------- robustness
+async def test_a_malformed_url_exits_1_without_a_traceback() -> None:
+    for command in (("status",), ("drain", "p0"), ("lease",), ("handoff", "inspect")):
+        result = await narwhal("--url", "foo", *command)
+        assert result.code == 1, result
+        assert result.err.startswith("narwhal: bad --url 'foo': "), result.err
+        assert "Traceback" not in result.err
+
+
+Answer = tuple[int, str, str]  # status, content type, body
+
+
+@pytest.fixture
+async def fake_admin() -> AsyncIterator[tuple[str, dict[str, Answer]]]:
+    """Not a narwhal router: answers each path from a table (default: a 200 HTML page)."""
+    answers: dict[str, Answer] = {}
+
+    async def handle(request: web.Request) -> web.Response:
+        status, content_type, body = answers.get(
+            request.path, (200, "text/html", "<html><body>hello</body></html>")
+        )
+        return web.Response(status=status, text=body, content_type=content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", answers
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("status",), ("engines", "--json"), ("drain", "p0"), ("readmit", "p0"), ("lease",),
+     ("handoff", "inspect")],
+)  # fmt: skip
+async def test_a_url_answering_html_exits_1_without_a_traceback(
+    fake_admin: tuple[str, dict[str, Answer]], command: tuple[str, ...]
+) -> None:
+    url, _ = fake_admin
+    result = await narwhal("--url", url, *command)
+    assert result.code == 1, result
+    assert result.err.startswith(f"narwhal: {url}/admin/"), result.err
+    assert "answered 200 with something other than JSON" in result.err
+    assert "Traceback" not in result.err
+
+
+ENGINES_OK: Answer = (200, "application/json", '{"engines": [], "consolidation_risk": {}}')
+LEASE_OK: Answer = (200, "application/json", '{"backend": "none", "role": "active"}')
+
+
+async def test_status_with_a_failing_monitor_endpoint_exits_1_with_its_message(
+    fake_admin: tuple[str, dict[str, Answer]],
+) -> None:
+    url, answers = fake_admin
+    answers["/admin/engines"] = ENGINES_OK
+    answers["/admin/lease"] = LEASE_OK
+    answers["/admin/monitor"] = (503, "application/json", '{"error": {"message": "busy"}}')
+    result = await narwhal("--url", url, "status")
+    assert result.code == 1, result
+    assert result.err == "narwhal: 503: busy\n"
+    assert "Traceback" not in result.err
+
+
+async def test_status_reports_an_unavailable_lease_view(
+    fake_admin: tuple[str, dict[str, Answer]],
+) -> None:
+    url, answers = fake_admin
+    answers["/admin/engines"] = ENGINES_OK
+    answers["/admin/lease"] = (500, "application/json", '{"error": {"message": "boom"}}')
+    answers["/admin/monitor"] = (
+        200, "application/json",
+        '{"streak": 0, "failure_limit": 3, "admitting": true, "degraded": null}',
+    )  # fmt: skip
+    result = await narwhal("--url", url, "status")
+    assert result.code == 0, result
+    assert "lease: unavailable (500: boom)" in result.out.splitlines()
+    assert "monitor: streak 0/3, admitting: yes" in result.out.splitlines()
+
+
+async def test_json_of_another_shape_exits_1_without_a_traceback(
+    fake_admin: tuple[str, dict[str, Answer]],
+) -> None:
+    url, answers = fake_admin
+    answers["/admin/engines"] = (200, "application/json", '{"something": "else"}')
+    result = await narwhal("--url", url, "status")
+    assert result.code == 1, result
+    assert result.err.startswith(f"narwhal: unexpected answer from {url} (KeyError: "), result.err
+    assert "Traceback" not in result.err
+
+
+async def test_status_shows_the_file_lease_line(
+    fleet: Fleet, start_router: StartRouter, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    lease = {"backend": "file", "path": str(tmp_path / "lease.json"), "ttl_s": 30.0,
+             "renew_interval_s": 0.5}  # fmt: skip
+    rr = await start_router(fleet.engines(), lease=lease)
+
+    async def lease_view() -> Any:
+        async with http.get(rr.url + "/admin/lease") as resp:
+            return await resp.json()
+
+    async def holding() -> bool:
+        body = await lease_view()
+        return bool(body.get("role") == "active" and body.get("epoch"))
+
+    await eventually(holding, what="the router holding the file lease")
+    result = await narwhal("--url", rr.url, "status")
+    assert result.code == 0, result
+    lines = [line for line in result.out.splitlines() if line.startswith("lease:")]
+    assert len(lines) == 1, result.out
+    epoch = (await lease_view())["epoch"]
+    prefix = f"lease: file, this router active, holder test-router epoch {epoch}"
+    assert lines[0].startswith(prefix), lines

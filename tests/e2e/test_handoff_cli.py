@@ -12,6 +12,7 @@ without `--resume` ignores the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -69,7 +70,7 @@ def files(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
     p0 under inference verification, generations known."""
     config_path = write_config(tmp_path / "narwhal.yaml", ENGINES, tmp_path)
     config = parse_config(yaml.safe_load(config_path.read_text()))
-    clock = FakeClock()
+    clock = FakeClock(wall=1_700_000_000.0)  # in the past: validate refuses future times
     fleet = Fleet(config.engines)
     lifecycle = Lifecycle(config, fleet, Metrics(), clock)
     now = clock.monotonic()
@@ -89,7 +90,7 @@ def test_show_prints_the_document(files: tuple[Path, Path, dict[str, Any]]) -> N
     out = narwhal("handoff", "show", str(handoff))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "schema narwhal.handoff/1  sequence 41  written_at 1800000000.0"
+    assert lines[0] == "schema narwhal.handoff/1  sequence 41  written_at 1700000000.0"
     assert lines[1] == f"writer router-a pid {os.getpid()} lease epoch 3"
     assert lines[2] == "lease {'backend': 'file', 'holder': 'router-a', 'epoch': 3}"
     engine_lines = {line.split()[0]: line.split() for line in lines[4:8]}
@@ -116,6 +117,36 @@ def test_show_refuses_a_missing_or_unparsable_file(tmp_path: Path) -> None:
     out = narwhal("handoff", "show", str(garbage))
     assert out.returncode == 1
     assert out.stderr.startswith(f"narwhal: {garbage}: not valid JSON: ")
+
+
+V1 = '"schema": "narwhal.handoff/1", '
+NOT_V1 = "schema None does not match 'narwhal.handoff/1'"
+
+
+@pytest.mark.parametrize(
+    ("content", "complaint"),
+    [
+        ("[]", "not a JSON object"),
+        ("null", "not a JSON object"),
+        ('{"engines": {"a": "x"}}', NOT_V1),
+        ('{"writer": null}', NOT_V1),
+        ('{"engines": {"a": {"holds": [1]}}}', NOT_V1),
+        ("{" + V1 + '"engines": {"a": "x"}}', "fails the schema at "),
+        ("{" + V1 + '"writer": null}', "fails the schema at "),
+        ("{" + V1 + '"engines": {"a": {"holds": [1]}}}', "fails the schema at "),
+    ],
+)
+def test_show_reports_a_damaged_document_not_a_traceback(
+    tmp_path: Path, content: str, complaint: str
+) -> None:
+    """Valid JSON that is not a handoff: the complaint, exit 1 (it used to crash)."""
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(content)
+    out = narwhal("handoff", "show", str(damaged))
+    assert "Traceback" not in out.stderr
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"narwhal: {damaged}: {complaint}")
+    assert out.stdout == ""
 
 
 def test_validate_accepts_a_matching_handoff(files: tuple[Path, Path, dict[str, Any]]) -> None:
@@ -152,6 +183,15 @@ def test_validate_refuses_a_handoff_for_another_engine_set(
     assert (out.returncode, out.stdout) == (1, f"invalid: {reason}\n")
 
 
+def _from_the_future(raw: bytes) -> bytes:
+    """Resealed with a written_at far ahead of any real clock: an impossible value."""
+    doc = orjson.loads(raw)
+    doc["written_at"] = 4_000_000_000.0
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    digest = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return orjson.dumps({**body, "checksum": "sha256:" + digest})
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
@@ -163,8 +203,9 @@ def test_validate_refuses_a_handoff_for_another_engine_set(
         (lambda raw: raw.replace(b'"sequence": 41', b'"sequence": -1'),
          "invalid: fails the schema at sequence: -1 is less than the minimum of 1"),
         (lambda raw: None, "invalid: no handoff file"),
+        (_from_the_future, "invalid: impossible values: written_at 4000000000.0 is in the future"),
     ],
-    ids=["truncated", "tampered", "schema-version", "schema-violation", "missing"],
+    ids=["truncated", "tampered", "schema-version", "schema-violation", "missing", "future"],
 )  # fmt: skip
 def test_validate_refuses_a_damaged_handoff_with_the_reason(
     files: tuple[Path, Path, dict[str, Any]], damage: Any, reason: str

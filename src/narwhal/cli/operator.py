@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -15,30 +17,50 @@ EXIT_USAGE = 2
 
 
 class AdminError(Exception):
-    pass
+    """A failure to talk to the router, printed as `narwhal: <reason>` (exit 1)."""
 
 
 def _call(url: str, token: str | None, method: str, path: str) -> tuple[int, Any]:
-    request = urllib.request.Request(url.rstrip("/") + path, method=method)
+    try:
+        request = urllib.request.Request(url.rstrip("/") + path, method=method)
+    except ValueError as exc:
+        raise AdminError(f"bad --url {url!r}: {exc}") from None
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
+            status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         body = exc.read()
         try:
             return exc.code, json.loads(body)
         except ValueError:
             return exc.code, {"error": {"message": body.decode(errors="replace")}}
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         raise AdminError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        return status, json.loads(raw or b"null")
+    except ValueError:
+        raise AdminError(
+            f"{url}{path} answered {status} with something other than JSON "
+            "(is --url a narwhal router?)"
+        ) from None
 
 
 def _message(body: Any) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message"))
     return json.dumps(body)
+
+
+STEP_LABELS = {"passed": "ok", "failed": "FAIL", "not_configured": "skip"}
+
+
+def _step_label(step: dict[str, Any]) -> str:
+    """`ok`, `FAIL`, or `skip` for a step that did not run because it is not configured
+    (attestation): an unconfigured check is not reported as passed."""
+    status = step.get("status") or ("passed" if step["ok"] else "failed")
+    return STEP_LABELS.get(status, str(status))
 
 
 def _table(engines: list[dict[str, Any]]) -> str:
@@ -97,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     except AdminError as exc:
         print(f"narwhal: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except (KeyError, TypeError, AttributeError) as exc:  # JSON, but not the admin API's shape
+        print(
+            f"narwhal: unexpected answer from {args.url} ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
 
 
 def _handoff(args: argparse.Namespace) -> int:
@@ -110,6 +138,7 @@ def _handoff(args: argparse.Namespace) -> int:
         check_document,
         load_schema,
         read_handoff,
+        shape_complaint,
     )
 
     try:
@@ -129,6 +158,10 @@ def _handoff(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"narwhal: {args.file}: not valid JSON: {exc}", file=sys.stderr)
             return EXIT_ERROR
+        complaint = shape_complaint(doc, load_schema())
+        if complaint is not None:
+            print(f"narwhal: {args.file}: {complaint}", file=sys.stderr)
+            return EXIT_ERROR
         print(_describe_handoff(doc))
         return 0
     try:
@@ -137,7 +170,7 @@ def _handoff(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"narwhal: config error: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    verdict: Verdict = check_document(raw, config, load_schema())
+    verdict: Verdict = check_document(raw, config, load_schema(), now_wall_s=time.time())
     print(("valid: " if verdict.ok else "invalid: ") + verdict.reason)
     return 0 if verdict.ok else EXIT_ERROR
 
@@ -207,8 +240,10 @@ def _run(args: argparse.Namespace) -> int:
                 if risk
                 else "\nconsolidation risk: -"
             )
-            _, lease = _call(args.url, args.token, "GET", "/admin/lease")
-            if isinstance(lease, dict):
+            lease_status, lease = _call(args.url, args.token, "GET", "/admin/lease")
+            if lease_status != 200:
+                print(f"lease: unavailable ({lease_status}: {_message(lease)})")
+            elif isinstance(lease, dict):
                 line = f"lease: {lease.get('backend')}, this router {lease.get('role')}"
                 if lease.get("holder") is not None:
                     line += f", holder {lease['holder']} epoch {lease.get('epoch')}"
@@ -217,7 +252,10 @@ def _run(args: argparse.Namespace) -> int:
                 if lease.get("fence_reason"):
                     line += f" ({lease['fence_reason']})"
                 print(line)
-            _, monitor = _call(args.url, args.token, "GET", "/admin/monitor")
+            monitor_status, monitor = _call(args.url, args.token, "GET", "/admin/monitor")
+            if monitor_status != 200:
+                print(f"narwhal: {monitor_status}: {_message(monitor)}", file=sys.stderr)
+                return EXIT_ERROR
             print(
                 f"\nmonitor: streak {monitor['streak']}/{monitor['failure_limit']}, "
                 f"admitting: {'yes' if monitor['admitting'] else 'no'}"
@@ -229,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.command == "readmit" and isinstance(body, dict) and "steps" in body:
         for step in body["steps"]:
-            print(f"{'ok  ' if step['ok'] else 'FAIL'} {step['step']}: {step['reason']}")
+            print(f"{_step_label(step):4} {step['step']}: {step['reason']}")
         print("readmitted" if body["readmitted"] else "not readmitted")
         return 0 if body["readmitted"] else EXIT_ERROR
     if status != 200:
