@@ -84,6 +84,7 @@ class _Attempt:
 
     request_id: str
     started: bool = False
+    handoff_failed: bool = False  # the decode refused the handoff or recomputed the prompt
 
 
 class DataPlane:
@@ -356,6 +357,12 @@ class DataPlane:
             tried.add(decode.id)
             return await self._decode_leg(req, request, deadline, attempt, prefill, decode, handoff)
         finally:
+            # The prefill's success clears kv_handoff evidence, so it counts only once the
+            # decode did not refuse the handoff or recompute the prompt; recorded first, it
+            # would reset every kv_handoff streak and the streak would never reach eject_after.
+            # A decode that fails for another reason leaves the prefill's success standing.
+            if not attempt.handoff_failed:
+                self._succeed(prefill, "prefill", SuccessKind.PREFILL_HANDOFF)
             await self._adapters(prefill.config).discard(prefill.config, handoff)
 
     async def _prefill_leg(
@@ -395,9 +402,8 @@ class DataPlane:
             self._succeed(engine, "prefill", SuccessKind.PREFILL_FINISHED)
             assert isinstance(reply.parsed, dict)
             return _finished_response(req, reply.parsed)
-        self._succeed(engine, "prefill", SuccessKind.PREFILL_HANDOFF)
         self._stats.latency(engine.id, time.perf_counter() - leg_start)
-        return result
+        return result  # its success is recorded once the decode used the handoff (_attempt)
 
     async def _decode_leg(
         self,
@@ -422,6 +428,7 @@ class DataPlane:
                     adapter.decode(PoolKind.DATA, engine.config, req.body, handoff, headers, limit)
                 )
             except HandoffRefused as exc:
+                attempt.handoff_failed = True
                 failure = EngineFailure(FailureClass.KV_HANDOFF, str(exc))
                 raise self._fail(prefill, "prefill", failure) from None
             except EngineFailure as exc:
@@ -462,14 +469,18 @@ class DataPlane:
                         engine, leg, reply.status, reply.body, reply.content_type
                     )
                 self._succeed(engine, leg, SuccessKind.DECODE_DONE)
-                self._check_recompute(producer, engine, reply.body)
+                self._check_recompute(attempt, producer, engine, reply.body)
                 return web.Response(body=reply.body, content_type=reply.content_type)
             return await self._stream(
                 request, deadline, attempt, engine, url, body, headers, leg, producer
             )
 
     def _check_recompute(
-        self, producer: EngineState | None, engine: EngineState, final: bytes | None
+        self,
+        attempt: _Attempt,
+        producer: EngineState | None,
+        engine: EngineState,
+        final: bytes | None,
     ) -> None:
         """A decode that recomputed the prompt answered correctly but hid an unusable
         handoff: record it against the handoff's producer (DESIGN §1)."""
@@ -477,6 +488,7 @@ class DataPlane:
             return
         reason = self._adapters(engine.config).recomputed(final)
         if reason is not None:
+            attempt.handoff_failed = True
             self._fail(producer, "prefill", EngineFailure(FailureClass.KV_HANDOFF, reason))
 
     async def _stream(
@@ -595,7 +607,7 @@ class DataPlane:
             outcome = "upstream_error_midstream"
         else:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
-            self._check_recompute(producer, engine, scanner.last)
+            self._check_recompute(attempt, producer, engine, scanner.last)
         try:
             if not await _finish(request, client, b"", request_deadline):
                 outcome = "deadline"
