@@ -4,8 +4,10 @@ A `Router` that is never started (no sockets, no monitor loop): the test fills `
 with latency samples, closes windows with `router.stats.rollover`, and calls
 `router.small.controller(now)` (and `telemetry(now)`) itself. Covered: the `performance_drift`
 hold in enforce mode and its deadline, detect mode, last-engine protection through
-`Fleet.candidates`, expiry, consolidation risk, and `kv_both` role rebalancing with a fake
-`verify_role` (failing and passing verification, the role persisted in the handoff).
+`Fleet.candidates`, expiry, consolidation risk (the busiest share from the last closed
+interval), and `kv_both` role rebalancing with a fake `verify_role`: "too little" capacity,
+"idle enough", verification in the background (failing, raising, passing; the pass never waits
+for it), the re-check by id and role, and the role persisted in the handoff.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from narwhal.control.fleet import EngineState
 from narwhal.control.holds import HoldName
 from narwhal.control.stages import SmallStages, consolidation_risk, rebalance_candidate
 from narwhal.server import Router
+from tests.support.poll import eventually
 from tests.support.router import router_config
 
 INTERVAL_S = 10.0
@@ -671,7 +674,7 @@ async def test_verification_runs_outside_the_monitor_pass(tmp_path: Path) -> Non
     rig.eject("p0")
     # The pass returns while verification is still waiting on the engine...
     await asyncio.wait_for(rig.controller(), timeout=5)
-    await asyncio.sleep(0)  # let the background task reach the engine
+    await eventually(lambda: verify.calls, timeout_s=5, what="the background verification")
     assert verify.calls == [("d1", Role.PREFILL)]
     assert rig.router.small.verifying == ("d1", Role.PREFILL)
     assert rig.engine("d1").role is Role.DECODE
