@@ -233,6 +233,36 @@ async def test_a_removed_state_directory_is_a_handoff_stage_error(
     read_doc(path)
 
 
+async def test_a_state_directory_replaced_by_a_file_is_a_handoff_stage_error(
+    engines: list[dict[str, Any]], start_router: StartRouter
+) -> None:
+    rr = await start_router(engines)
+    path = rr.router.handoff.path
+    await eventually(path.exists, what="a first document")
+    path.unlink()
+    path.parent.rmdir()
+    path.parent.write_bytes(b"not a directory")
+    seen: list[tuple[int, str]] = []
+
+    async def degraded() -> bool:
+        seen.append(await get(rr.url + "/ready"))
+        status, text = seen[-1]
+        return status == 503 and text.startswith("monitoring degraded: handoff ")
+
+    await eventually(degraded, what="readiness degraded by the replaced directory")
+    assert seen[-1] == (503, "monitoring degraded: handoff NotADirectoryError")
+    assert path.parent.read_bytes() == b"not a directory"  # left for the operator to fix
+    path.parent.unlink()
+    path.parent.mkdir()
+
+    async def recovered() -> bool:
+        return (await get(rr.url + "/ready")) == (200, "ready")
+
+    await eventually(recovered, what="recovery once the directory is back")
+    read_doc(path)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+
+
 async def test_the_document_records_lease_ownership_and_only_the_active_writes(
     engines: list[dict[str, Any]], start_router: StartRouter, tmp_path: Path
 ) -> None:

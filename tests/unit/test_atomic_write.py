@@ -288,6 +288,30 @@ def test_a_directory_replaced_by_a_file_makes_the_write_raise_and_leave_nothing(
     assert listing(dest.parent.parent) == ["state"]
 
 
+class DirectorySwappedMidWrite(Recording):
+    """While the document is being written the state directory is moved away and a regular
+    file takes its name; then the disk reports ENOSPC. Removing the temporary file by its
+    path now fails with ENOTDIR."""
+
+    def write(self, fd: int, data: memoryview) -> int:
+        self.calls.append(("write", len(data)))
+        directory = self.temps[0].parent
+        directory.rename(directory.with_name("moved-away"))
+        directory.write_bytes(b"not a directory")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_failed_cleanup_does_not_hide_the_error_that_caused_it(dest: Path) -> None:
+    atomic_write(dest, OLD)
+    fs = DirectorySwappedMidWrite()
+    with pytest.raises(OSError) as raised:
+        atomic_write(dest, NEW, fs=fs)
+    assert raised.value.errno == errno.ENOSPC  # not the NotADirectoryError of the cleanup
+    assert fs.names()[-1] == "unlink"  # the cleanup was attempted
+    moved = dest.parent.with_name("moved-away")
+    assert (moved / dest.name).read_bytes() == OLD
+
+
 def test_a_destination_that_is_a_directory_makes_the_write_raise_and_leave_nothing(
     dest: Path,
 ) -> None:

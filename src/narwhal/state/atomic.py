@@ -70,7 +70,9 @@ def atomic_write(dest: Path, data: bytes, mode: int = 0o600, fs: Filesystem | No
             fs.close(fd)
         fs.replace(tmp, dest)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        # Any cleanup failure (the file already gone, the directory replaced by a file or
+        # removed meanwhile: ENOTDIR, EACCES...) must not hide the error that got us here.
+        with contextlib.suppress(OSError):
             fs.unlink(tmp)
         raise
     fs.fsync_dir(dest.parent)
