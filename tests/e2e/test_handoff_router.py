@@ -263,6 +263,31 @@ async def test_a_state_directory_replaced_by_a_file_is_a_handoff_stage_error(
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
 
 
+async def test_admin_handoff_shows_a_followed_document_newer_than_its_own_write(
+    engines: list[dict[str, Any]], start_router: StartRouter, tmp_path: Path
+) -> None:
+    """A fenced ex-active has its own old write and a followed one from a newer epoch:
+    GET /admin/handoff returns the newer by (lease epoch, sequence), not its own."""
+    lease = {"backend": "file", "path": str(tmp_path / "state" / "lease.json"),
+             "ttl_s": 10.0, "renew_interval_s": 1.0}  # fmt: skip
+    rr = await start_router(engines, lease=lease)
+    router = rr.router
+    await eventually(lambda: router.handoff.writes >= 1, what="a first write")
+    assert router.ownership is not None
+    own = router.handoff.last_document
+    assert own is not None
+    epoch = own["writer"]["lease_epoch"]
+    newer = {**own, "sequence": 1, "writer": {**own["writer"], "router_id": "router-b",
+                                              "lease_epoch": epoch + 1}}  # fmt: skip
+    older = {**newer, "writer": {**newer["writer"], "lease_epoch": epoch - 1}}
+    router.ownership.followed = older
+    body = await get_json(rr.url + "/admin/handoff")
+    assert body["document"]["writer"]["router_id"] == "test-router"  # own write is newer
+    router.ownership.followed = newer
+    body = await get_json(rr.url + "/admin/handoff")
+    assert body["document"]["writer"] == newer["writer"]
+
+
 async def test_the_document_records_lease_ownership_and_only_the_active_writes(
     engines: list[dict[str, Any]], start_router: StartRouter, tmp_path: Path
 ) -> None:
