@@ -419,9 +419,13 @@ class Router:
 
     # ------------------------------------------------------------------ HTTP
     def build_app(self) -> web.Application:
+        from narwhal.http_errors import openai_http_errors
         from narwhal.http_routes import add_routes
 
-        app = web.Application(client_max_size=self.config.serving.max_body_bytes + 1024)
+        app = web.Application(
+            client_max_size=self.config.serving.max_body_bytes + 1024,
+            middlewares=[openai_http_errors],  # outermost: the routes' own middlewares run inside
+        )
         add_routes(app, self)
         return app
 
