@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -48,8 +49,12 @@ def gaps(monitor: dict[str, Any]) -> list[float]:
 
 @pytest.mark.slow
 async def test_a_stalled_readmission_attempt_does_not_delay_monitor_passes(
-    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+    sim_factory: SimFactory,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.readmission")
     p0, p1, d0 = sim_factory.start_many([list(PREFILL), list(PREFILL), list(DECODE)])
     engines = [
         {"id": "p0", "url": p0.url, "role": "prefill"},
@@ -95,7 +100,11 @@ async def test_a_stalled_readmission_attempt_does_not_delay_monitor_passes(
         return any(s["step"] == "kv_transfer" for s in e["readmission"])
 
     e = await admin.wait_engine("p0", reported, "attempt reported", timeout_s=PROBE_TIMEOUT_S + 10)
-    assert_failed_at(e["readmission"], "kv_transfer", "")
+    last = assert_failed_at(e["readmission"], "kv_transfer", "")
+    assert last["reason"] == "stream: deadline exceeded", last  # the stalled prefill leg
+    # The log says the same: step and reason.
+    lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.readmission"]
+    assert f"engine p0 readmission failed at kv_transfer: {last['reason']}" in lines, lines
     assert e["ejected"] is not None and e["eligible"] is False
     text = await admin.metrics()
     assert metric(text, "narwhal_readmissions_total", engine="p0", result="failed",

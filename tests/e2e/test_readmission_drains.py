@@ -44,11 +44,6 @@ from tests.support.poll import eventually
 from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
 
-BUG_AUTO_CLEARS_DRAIN = (
-    "BUG: Readmission.stage() automatically readmits an ejected engine via Lifecycle.readmit(), "
-    "which pops operator_drain too; a drain must be cleared only by an operator's readmission"
-)
-
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
