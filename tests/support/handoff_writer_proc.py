@@ -12,42 +12,90 @@ can kill it inside its write loop rather than during interpreter start.
 prints `child PID`; for `reap PID` it waits for that child (which the test has killed) and
 prints `reaped PID STATUS`, so the dead writer's pid is really gone. EOF ends it.
 
-Every document can be checked on its own (`check_document_bytes`): its body is derived from
-(writer, n), so a torn write or a mix of two documents is detected, not only broken JSON.
+Documents are real handoffs (`build_document`, sequence n + 1, router id WRITER) for a fleet
+of about SIZE / 300 engines, so SIZE is roughly the document's size. Every engine carries
+values derived from (writer, n) -- its generation and, on every other engine, an operator
+drain whose reason is `writer:n` -- so content from two documents differs throughout.
+`check_document_bytes` validates a document with `check_document` (JSON, schema, checksum,
+engine set) and then checks those derived values: a torn write or a mix of two documents is
+refused, not only broken JSON.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 
-def body_for(writer: str, n: int, size: int) -> str:
-    unit = f"{writer}:{n};"
-    return (unit * (size // len(unit) + 1))[:size]
+from narwhal.config import Config, parse_config
+from narwhal.control.fleet import Fleet
+from narwhal.control.holds import Hold, HoldName
+from narwhal.state.handoff import build_document, check_document, load_schema
+
+ENGINE_BYTES = 300  # about one engine's share of an indented document
+
+
+@functools.cache
+def fleet_config(size: int) -> Config:
+    count = max(2, size // ENGINE_BYTES)
+    engines = [
+        {"id": f"e{i}", "url": f"http://127.0.0.1:{20000 + i}",
+         "role": "prefill" if i % 2 == 0 else "decode"}
+        for i in range(count)
+    ]  # fmt: skip
+    return parse_config({"listen": "127.0.0.1:0", "model": "m", "engines": engines})
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    return load_schema()
+
+
+def _reason(writer: str, n: int) -> str:
+    return f"{writer}:{n}"
 
 
 def make_document(writer: str, n: int, size: int) -> bytes:
-    doc = {"writer": writer, "n": n, "pid": os.getpid(), "size": size}
-    doc["body"] = body_for(writer, n, size)
-    return json.dumps(doc).encode()
+    config = fleet_config(size)
+    fleet = Fleet(config.engines)
+    for i, engine in enumerate(fleet):
+        engine.generation = float(n) + i / 1000
+        if i % 2 == 0:
+            engine.holds[HoldName.OPERATOR_DRAIN] = Hold(
+                HoldName.OPERATOR_DRAIN, _reason(writer, n), 1_700_000_000.0
+            )
+    doc = build_document(fleet, n + 1, 1_700_000_000.0 + n, writer, None, {})
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2)
 
 
 def check_document_bytes(raw: bytes) -> dict[str, Any]:
-    """Parse a document and verify it is one complete document; raise if not."""
-    doc: dict[str, Any] = json.loads(raw)
-    expected = body_for(doc["writer"], doc["n"], doc["size"])
-    if doc["body"] != expected:
-        raise ValueError(f"document {doc['writer']}:{doc['n']} has a foreign or torn body")
-    return doc
+    """Verify `raw` is one complete, valid document; raise if not. Returns `writer`, `n`
+    and `pid` (of the writing process) and the `document` itself."""
+    doc = orjson.loads(raw)  # which size: the engine set tells
+    config = fleet_config(len(doc["engine_set"]) * ENGINE_BYTES)
+    verdict = check_document(raw, config, schema())
+    if not verdict.ok or verdict.document is None:
+        raise ValueError(f"not a valid handoff: {verdict.reason}")
+    doc = verdict.document
+    writer, n = doc["writer"]["router_id"], doc["sequence"] - 1
+    for i, engine_id in enumerate(e.id for e in config.engines):
+        engine = doc["engines"][engine_id]
+        drains = [h["reason"] for h in engine["holds"]]
+        if engine["generation"] != float(n) + i / 1000 or drains != (
+            [_reason(writer, n)] if i % 2 == 0 else []
+        ):
+            raise ValueError(f"document {writer}:{n} has foreign values on {engine_id}")
+    return {"writer": writer, "n": n, "pid": doc["writer"]["pid"], "document": doc}
 
 
 def write_loop(dest: Path, writer: str, start: int, count: int, size: int) -> None:
     from narwhal.state.atomic import atomic_write
 
+    fleet_config(size)  # parsed once, before the loop (and before any fork)
     n = start
     while count < 0 or n < start + count:
         atomic_write(dest, make_document(writer, n, size))
@@ -56,6 +104,8 @@ def write_loop(dest: Path, writer: str, start: int, count: int, size: int) -> No
 
 def serve(dest: Path, writer: str, size: int) -> None:
     from narwhal.state import atomic  # noqa: F401  (imported once, before any fork)
+
+    fleet_config(size)
 
     for line in sys.stdin:
         command, arg = line.split()
