@@ -122,6 +122,7 @@ class LingeringEngine:
     (until the router hangs up). It counts the requests whose connection the router closed."""
 
     def __init__(self) -> None:
+        self.drop = False  # instead: drop the connection after the first event, no [DONE]
         self.hung_up = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -131,6 +132,10 @@ class LingeringEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(b'data: {"id": "x", "choices": [{"index": 0, "text": "hi"}]}\n\n')
+        if self.drop:
+            assert request.transport is not None
+            request.transport.abort()  # the connection drops mid-stream (a crash, a reset)
+            return resp
         await resp.write(DONE)
         try:
             await asyncio.sleep(60)  # the body never ends on its own
@@ -196,3 +201,55 @@ async def test_done_ends_the_stream_even_if_the_engine_keeps_the_connection_open
     )
     await eventually(lambda: lingering.hung_up == 1, timeout_s=5, what="engine connection closed")
     assert rr.router.fleet.get("d0").in_flight == 0
+
+
+async def test_an_engine_connection_dropped_mid_stream_is_a_connection_failure(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession,
+    lingering: LingeringEngine,
+) -> None:  # fmt: skip
+    """Decided in docs/dataplane.md: a dropped connection is `connection` (the spec's
+    "connection error"), not the `stream` class's "invalid stream termination", which is a
+    response that ends properly but without `[DONE]` or with a malformed event."""
+    (p0,) = sim_factory.start_many([PREFILL])
+    lingering.drop = True
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": lingering.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+    )  # fmt: skip
+
+    status, raw = await _stream(http, rr)
+
+    assert status == 200  # the first event had reached the client
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[0].startswith(b'data: {"id": "x"'), raw
+    assert events[-1].startswith(b'data: {"error":'), raw  # the router's error event
+    assert not raw.endswith(DONE)
+    assert rr.router.fleet.get("d0").evidence == {FailureClass.CONNECTION: 1}
+    assert (
+        await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", outcome="connection")
+        == 1
+    )
+    assert rr.router.fleet.get("d0").in_flight == 0
+
+
+async def test_a_successful_non_streamed_decode_clears_stream_evidence(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The spec's "decode stream reaching its terminal marker" row, for a JSON answer: a whole
+    non-streamed answer is the decode completing (docs/dataplane.md)."""
+    p0, d0 = sim_factory.start_many([PREFILL, DECODE])
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": d0.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+    )  # fmt: skip
+    d0.add_fault({"kind": "no_done", "leg": "decode", "count": 1})
+    status, raw = await _stream(http, rr)
+    assert status == 200 and not raw.endswith(DONE)
+    assert rr.router.fleet.get("d0").evidence == {FailureClass.STREAM: 1}
+
+    body = {"model": MODEL, "prompt": "a whole answer", "max_tokens": 4}
+    async with http.post(rr.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    assert rr.router.fleet.get("d0").evidence == {}

@@ -459,6 +459,7 @@ class DataPlane:
                 remaining = deadline - self._clock.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded()
+                leg_start = time.perf_counter()
                 try:
                     data = orjson.dumps(body)
                     reply = await self._client.post(PoolKind.DATA, url, data, headers, remaining)
@@ -468,6 +469,9 @@ class DataPlane:
                     raise self._status_failure(
                         engine, leg, reply.status, reply.body, reply.content_type
                     )
+                # The answer is the leg's first byte, as a stream's first chunk is: the same
+                # latency sample (drift compares engines of a role on it).
+                self._stats.latency(engine.id, time.perf_counter() - leg_start)
                 self._succeed(engine, leg, SuccessKind.DECODE_DONE)
                 self._check_recompute(attempt, producer, engine, reply.body)
                 return web.Response(body=reply.body, content_type=reply.content_type)
