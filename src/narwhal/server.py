@@ -383,6 +383,12 @@ class Router:
         self.metrics.ready.set(0 if reason else 1)
         return reason
 
+    def _wall_of(self, monotonic_s: float | None) -> float | None:
+        """A monotonic moment as wall-clock seconds, for the admin API (None stays None)."""
+        if monotonic_s is None:
+            return None
+        return self.clock.wall() - (self.clock.monotonic() - monotonic_s)
+
     def engines_json(self) -> list[dict[str, Any]]:
         now = self.clock.monotonic()
         out = []
@@ -410,6 +416,7 @@ class Router:
                     "generation": e.generation,
                     "max_model_len": e.max_model_len,
                     "drain_settled": e.id in self.small.drains_settled,
+                    "drain_settled_at": self._wall_of(self.small.drains_settled.get(e.id)),
                     "readmission": [
                         r.to_json() for r in self.readmission.last_results.get(e.id, [])
                     ],

@@ -150,15 +150,20 @@ async def test_stream_in_flight_at_the_drain_finishes_and_then_the_drain_settles
         await admin.drain(target)
         e = await admin.engine(target)
         assert e["in_flight"] == 1 and e["drain_settled"] is False
+        assert e["drain_settled_at"] is None
         await admin.wait_passes(2)
-        assert (await admin.engine(target))["drain_settled"] is False  # still in flight
+        e = await admin.engine(target)
+        assert e["drain_settled"] is False and e["drain_settled_at"] is None  # still in flight
         rest = await resp.read()
+        stream_ended = time.time()
     stream = first + rest
     assert stream.endswith(b"data: [DONE]\n\n"), stream[-200:]
     assert b'"error"' not in stream
     assert stream.count(b"data: ") == 41  # 40 tokens and [DONE]
     e = await admin.wait_engine(target, lambda e: e["drain_settled"], "drain settled")
     assert e["in_flight"] == 0 and hold_names(e) == ["operator_drain"]
+    # When in-flight reached zero: after the stream ended, within a few monitor passes.
+    assert stream_ended - 1.0 <= e["drain_settled_at"] <= time.time(), (stream_ended, e)
     # New work goes to the other decode engine.
     other = d1 if target == "d0" else d0
     drained = d0 if target == "d0" else d1
