@@ -659,17 +659,18 @@ async def _release_at_eof(resp: aiohttp.ClientResponse) -> None:
     """After `[DONE]`: give the engine connection back for reuse once the body's end arrives,
     which usually follows at once; an engine that holds the stream open is hung up on."""
     content = resp.content
-    if not content.at_eof():
-        try:
+    try:
+        if not content.at_eof():
             async with asyncio.timeout(_EOF_AFTER_DONE_S):
                 while await content.readany():
                     pass  # nothing after [DONE] is part of the answer
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            pass
-    if content.at_eof():
-        resp.release()
-    else:
-        resp.close()
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass
+    finally:
+        if content.at_eof():
+            resp.release()
+        else:
+            resp.close()
 
 
 def _cut_off(request: web.Request) -> None:
