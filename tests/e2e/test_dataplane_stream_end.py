@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -114,6 +115,29 @@ async def test_a_streak_of_in_band_errors_holds_the_decode_for_inference_verific
     assert "inference_verification" in _holds(rr, "d0")
     assert _holds(rr, "p0") == []
     assert rr.router.fleet.get("p0").evidence == {}
+
+
+async def test_an_engine_that_keeps_sending_error_events_fails_its_inference_probe(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The hold's probe runs a real decode leg: an error event there fails it (eject), as on
+    the data path, instead of passing the probe and clearing the hold."""
+    p0, d0 = sim_factory.start_many([PREFILL, DECODE])
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": d0.url, "role": "decode"}],
+        recovery={"eject_after": 2},
+    )  # fmt: skip
+    d0.add_fault({"kind": "error_event", "leg": "decode"})  # every decode, probes' included
+    for _ in range(2):
+        status, raw = await _stream(http, rr)
+        assert status == 200 and b'data: {"error"' in raw
+
+    def ejected() -> Any:
+        return next(e for e in rr.router.engines_json() if e["id"] == "d0")["ejected"]
+
+    record = await eventually(ejected, timeout_s=10, what="d0 ejected by its failed probe")
+    assert record["cause"] == "inference_status", record
 
 
 # ------------------------------------------------------------ an engine that stays after [DONE]

@@ -277,8 +277,12 @@ class InferenceProber:
                     )
                 async for chunk in resp.content.iter_any():
                     scanner.feed(chunk)
+                    if scanner.done:
+                        break  # the answer is complete, whether or not the engine hangs up
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise classify_exception(exc, FailureClass.STREAM) from None
         if scanner.malformed or not scanner.done:
             raise EngineFailure(FailureClass.STREAM, "decode leg ended without [DONE]")
+        if scanner.error is not None:  # as the data plane: an error status reported in band
+            raise EngineFailure(FailureClass.INFERENCE_STATUS, "decode leg sent an error event")
         return scanner.last
