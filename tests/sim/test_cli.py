@@ -1,17 +1,22 @@
-"""The `narwhal-sim` command: the listening line, clean signals, startup faults, the fleet."""
+"""The `narwhal-sim` command: the listening line, clean signals, startup faults, the fleet,
+bench, and refusals (exit 2 for bad arguments, 1 for an engine that cannot start)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
 
+from narwhal.sim.fleet import check_layout, fleet_specs
 from tests.support.poll import eventually
 from tests.support.sim_process import READY_PREFIX, SimFactory, SimProcess
 
@@ -101,11 +106,15 @@ def _free_base_port() -> int:
 
 
 @pytest.mark.slow
-def test_the_fleet_starts_and_stops_its_engines() -> None:
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_the_fleet_starts_and_stops_its_engines(stop: str) -> None:
     base = _free_base_port()
     cmd = [sys.executable, "-m", "narwhal.sim.cli", "fleet", "--prefill", "1", "--decode", "1"]
     cmd += ["--base-port", str(base), "--itl-ms", "0"]
-    fleet = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # Its own process group, as in a terminal: Ctrl-C sends SIGINT to the fleet and its engines.
+    fleet = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert fleet.stdout is not None
         lines = [fleet.stdout.readline().strip() for _ in range(3)]
@@ -123,13 +132,19 @@ def test_the_fleet_starts_and_stops_its_engines() -> None:
         answer = complete(decode, decode_body(body, handoff))
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
         assert len(text_of(answer).split()) == 4
-        fleet.send_signal(signal.SIGTERM)
-        assert fleet.wait(timeout=15) == 0
+        if stop == "sigterm":
+            fleet.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(fleet.pid, signal.SIGINT)
+        _, stderr = fleet.communicate(timeout=30)
+        assert fleet.returncode == 0, stderr
+        assert "Traceback" not in stderr, stderr
         assert connect_refused("127.0.0.1", base)
         assert connect_refused("127.0.0.1", base + 100)
     finally:
         if fleet.poll() is None:
-            fleet.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(fleet.pid, signal.SIGKILL)
             fleet.wait()
 
 
@@ -149,3 +164,149 @@ def test_the_ready_line_is_the_only_stdout() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- bench ---------------------------------------------------------------------------------------
+
+_SUMMARY = re.compile(
+    r"^(\d+) requests \((\d+) errors\) in ([\d.]+) s at concurrency (\d+): (\d+) requests/s$"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bench_measures_an_engine(sim_factory: SimFactory, stream: bool) -> None:
+    sim = sim_factory("--itl-ms", "0", "--ttft-per-token-ms", "0")
+    cmd = [sys.executable, "-m", "narwhal.sim.cli", "bench", "--url", sim.url]
+    cmd += ["--concurrency", "4", "--duration-s", "1", "--max-tokens", "4"]
+    cmd += ["--stream"] if stream else []
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    match = _SUMMARY.match(result.stdout.strip())
+    assert match, result.stdout
+    requests, errors, _elapsed, concurrency, rate = match.groups()
+    assert (int(errors), int(concurrency)) == (0, 4)
+    assert int(requests) > 0 and int(rate) > 0, result.stdout
+    served = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in sim.metrics().splitlines()
+        if line.startswith("narwhal_sim_requests_total{")
+    )
+    assert served >= int(requests)  # the engine saw every request bench counted
+
+
+# --- refusals: exit 2 for bad arguments, 1 for an engine that cannot start -----------------------
+
+
+def sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "narwhal.sim.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        pytest.param(["serve", "--port", "70000"], "--port", id="port-out-of-range"),
+        pytest.param(["serve", "--port", "-1"], "--port", id="negative-port"),
+        pytest.param(["serve", "--kv-ttl-s", "-1"], "--kv-ttl-s", id="negative-kv-ttl"),
+        pytest.param(["serve", "--kv-ttl-s", "nan"], "--kv-ttl-s", id="nan-kv-ttl"),
+        pytest.param(["serve", "--max-concurrency", "0"], "--max-concurrency", id="no-concurrency"),
+        pytest.param(["serve", "--itl-ms", "-2"], "--itl-ms", id="negative-itl"),
+        pytest.param(["serve", "--kv-load-timeout-s", "0"], "--kv-load-timeout-s",
+                     id="zero-load-timeout"),
+        pytest.param(["serve", "--max-model-len", "0"], "--max-model-len", id="zero-model-len"),
+        pytest.param(["fleet", "--prefill", "-1"], "--prefill", id="negative-prefill"),
+        pytest.param(["fleet", "--decode", "x"], "--decode", id="decode-not-a-number"),
+        pytest.param(["fleet", "--prefill", "0", "--decode", "0"], "--prefill", id="empty-fleet"),
+        pytest.param(["fleet", "--prefill", "101"], "--prefill", id="prefill-reaches-decode"),
+        pytest.param(["fleet", "--base-port", "65500"], "--base-port", id="ports-past-65535"),
+        pytest.param(["fleet", "--base-port", "0"], "--base-port", id="base-port-zero"),
+        pytest.param(["fleet", "--max-concurrency", "0"], "--max-concurrency",
+                     id="fleet-engine-option"),
+        pytest.param(["fleet", "--port", "9001"], "--port", id="fleet-sets-the-port"),
+        pytest.param(["fleet", "--role=decode"], "--role", id="fleet-sets-the-role"),
+        pytest.param(["bench", "--url", "http://127.0.0.1:1", "--concurrency", "0"],
+                     "--concurrency", id="bench-no-concurrency"),
+        pytest.param(["bench", "--url", "http://127.0.0.1:1", "--duration-s", "-1"],
+                     "--duration-s", id="bench-negative-duration"),
+    ],
+)  # fmt: skip
+def test_an_out_of_range_option_is_a_usage_error(args: list[str], named: str) -> None:
+    result = sim_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"narwhal-sim {args[0]}: error: "), result.stderr
+    assert named in error, error
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port with a listener on it (and, for a fleet, its decode port free)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", _free_base_port()))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def start_up_failure(result: subprocess.CompletedProcess[str]) -> list[str]:
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stderr.splitlines()
+
+
+def test_a_busy_port_is_a_one_line_start_up_failure(busy_port: int) -> None:
+    lines = start_up_failure(sim_cli("serve", "--port", str(busy_port)))
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("narwhal-sim: start-up failed: "), lines
+    assert str(busy_port) in lines[0] and "in use" in lines[0], lines
+
+
+def test_a_host_that_does_not_resolve_is_a_start_up_failure() -> None:
+    lines = start_up_failure(sim_cli("serve", "--port", "0", "--host", "nowhere.invalid"))
+    assert lines == [lines[0]] and lines[0].startswith(
+        "narwhal-sim: start-up failed: --host nowhere.invalid: "
+    ), lines
+
+
+@pytest.mark.slow
+def test_a_fleet_with_a_busy_port_stops_and_names_the_engine(busy_port: int) -> None:
+    result = sim_cli("fleet", "--prefill", "1", "--decode", "1", "--base-port", str(busy_port))
+    lines = start_up_failure(result)
+    assert f"narwhal-sim fleet: an engine did not start: prefill-0 (port {busy_port}) " in (
+        result.stderr
+    ), lines
+    assert any(line.startswith("narwhal-sim: start-up failed: ") for line in lines), lines
+    # The decode engine that did start was stopped with the fleet.
+    assert connect_refused("127.0.0.1", busy_port + 100)
+
+
+# --- the fleet's port layout (pure) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (100, 3), (0, 2), (3, 0), (100, 100)])
+def test_fleet_ports_never_collide(prefill: int, decode: int) -> None:
+    assert check_layout(prefill, decode, 9001) is None
+    ports = [spec.port for spec in fleet_specs(prefill, decode, 9001)]
+    assert len(ports) == len(set(ports)) == prefill + decode
+    assert all(1 <= port <= 65535 for port in ports)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "base_port", "named"),
+    [(101, 1, 9001, "--prefill"), (1, 1, 65436, "--base-port"), (2, 0, 65535, "--base-port"),
+     (0, 0, 9001, "--prefill"), (-1, 1, 9001, "--prefill")],
+)  # fmt: skip
+def test_fleet_layouts_that_cannot_work_are_refused(
+    prefill: int, decode: int, base_port: int, named: str
+) -> None:
+    problem = check_layout(prefill, decode, base_port)
+    assert problem is not None and problem.startswith(named), problem
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        fleet_specs(prefill, decode, base_port)

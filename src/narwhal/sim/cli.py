@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import random
 import signal
+import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -22,32 +24,58 @@ from narwhal.clock import SystemClock
 from narwhal.sim.bench import run_bench
 from narwhal.sim.config import KvRole, LoadFailurePolicy, Role, SimConfig
 from narwhal.sim.faults import FaultSpec
-from narwhal.sim.fleet import run_fleet
+from narwhal.sim.fleet import FLEET_SETS, check_layout, run_fleet
 from narwhal.sim.server import SimServer
 
 _COMMANDS = ("serve", "fleet", "bench")
+EXIT_START = 1  # valid arguments, but the engine could not start (port in use, host unknown)
+
+
+def _ranged(
+    kind: Callable[[str], float], name: str, ok: Callable[[float], bool]
+) -> Callable[[str], float]:
+    """An argparse type: parse with `kind`, refuse values outside the range `name` describes."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}")
+        return value
+
+    return parse
+
+
+PORT = _ranged(int, "a port (0-65535)", lambda v: 0 <= v <= 65535)
+LISTEN_PORT = _ranged(int, "a port (1-65535)", lambda v: 1 <= v <= 65535)
+POSITIVE_INT = _ranged(int, "an integer > 0", lambda v: v > 0)
+COUNT = _ranged(int, "an integer >= 0", lambda v: v >= 0)
+POSITIVE = _ranged(float, "a number > 0", lambda v: v > 0)
+NON_NEGATIVE = _ranged(float, "a number >= 0", lambda v: v >= 0)
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
     d = SimConfig()
     p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port", type=PORT, default=8000, help="0 picks a free port")
     p.add_argument("--role", choices=[r.value for r in Role], default=d.role.value)
     p.add_argument("--kv-role", choices=[r.value for r in KvRole], default=d.kv_role.value)
     p.add_argument("--model", default=d.model)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-model-len", type=POSITIVE_INT, default=d.max_model_len)
     p.add_argument("--engine-id", default=None, help="default: a random UUID")
-    p.add_argument("--ttft-per-token-ms", type=float, default=d.ttft_per_token_ms)
-    p.add_argument("--itl-ms", type=float, default=d.itl_ms)
-    p.add_argument("--transfer-per-block-ms", type=float, default=d.transfer_per_block_ms)
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
-    p.add_argument("--kv-ttl-s", type=float, default=d.kv_ttl_s)
+    p.add_argument("--ttft-per-token-ms", type=NON_NEGATIVE, default=d.ttft_per_token_ms)
+    p.add_argument("--itl-ms", type=NON_NEGATIVE, default=d.itl_ms)
+    p.add_argument("--transfer-per-block-ms", type=NON_NEGATIVE, default=d.transfer_per_block_ms)
+    p.add_argument("--max-concurrency", type=POSITIVE_INT, default=d.max_concurrency)
+    p.add_argument("--kv-ttl-s", type=NON_NEGATIVE, default=d.kv_ttl_s)
     p.add_argument(
         "--kv-load-failure-policy",
         choices=[x.value for x in LoadFailurePolicy],
         default=d.kv_load_failure_policy.value,
     )
-    p.add_argument("--kv-load-timeout-s", type=float, default=d.kv_load_timeout_s)
+    p.add_argument("--kv-load-timeout-s", type=POSITIVE, default=d.kv_load_timeout_s)
     p.add_argument("--seed", type=int, default=None, help="seed ids and fault probabilities")
     p.add_argument(
         "--fault",
@@ -62,21 +90,25 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="narwhal-sim", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _engine_options(sub.add_parser("serve", help="run one simulated vLLM engine"))
+    serve = sub.add_parser("serve", help="run one simulated vLLM engine")
+    _engine_options(serve)
     fleet = sub.add_parser(
         "fleet",
         help="run N prefill and M decode engines; other options go to every engine",
+        usage="%(prog)s [--prefill N] [--decode M] [--base-port P] [--host H] [engine options]",
     )
-    fleet.add_argument("--prefill", type=int, default=1)
-    fleet.add_argument("--decode", type=int, default=1)
-    fleet.add_argument("--base-port", type=int, default=9001, help="decode engines at +100")
+    fleet.add_argument("--prefill", type=COUNT, default=1)
+    fleet.add_argument("--decode", type=COUNT, default=1)
+    fleet.add_argument("--base-port", type=LISTEN_PORT, default=9001, help="decode engines at +100")
     fleet.add_argument("--host", default="127.0.0.1")
     bench = sub.add_parser("bench", help="measure an engine's non-streaming throughput")
     bench.add_argument("--url", required=True)
-    bench.add_argument("--concurrency", type=int, default=32)
-    bench.add_argument("--duration-s", type=float, default=5.0)
-    bench.add_argument("--max-tokens", type=int, default=16)
+    bench.add_argument("--concurrency", type=POSITIVE_INT, default=32)
+    bench.add_argument("--duration-s", type=POSITIVE, default=5.0)
+    bench.add_argument("--max-tokens", type=POSITIVE_INT, default=16)
     bench.add_argument("--stream", action="store_true")
+    for command in (serve, fleet, bench):
+        command.set_defaults(command_parser=command)  # its own usage line for errors
     return parser
 
 
@@ -99,23 +131,38 @@ def _config(args: argparse.Namespace) -> SimConfig:
     )
 
 
-async def _until_signalled(server: SimServer) -> None:
+async def _until_signalled(server: SimServer, started: Callable[[str], None]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-    def started(url: str) -> None:
-        print(f"narwhal-sim listening on {url}", flush=True)
-
     await server.run(started, stop)
+
+
+def startup_oserror(exc: BaseException) -> OSError | None:
+    """The OSError behind a start-up failure (bare, or the only kind in an exception group)."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(OSError)
+        if match is not None and rest is None:
+            return startup_oserror(match.exceptions[0])
+    return None
+
+
+def startup_problem(exc: OSError, host: str) -> str:
+    """One line naming what failed: the host that does not resolve, or the OS's own message
+    (a bind failure names the address and port)."""
+    if isinstance(exc, socket.gaierror):
+        return f"--host {host}: {exc.strerror or exc}"
+    return str(exc)
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         faults = [FaultSpec.model_validate_json(f) for f in args.fault]
     except ValidationError as exc:
-        parser.error(f"--fault: {exc}")
+        args.command_parser.error(f"--fault: {exc}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     server = SimServer(
         _config(args),
@@ -123,7 +170,36 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         rng=random.Random(args.seed),
         faults=faults,
     )
-    asyncio.run(_until_signalled(server))
+    listening = False
+
+    def started(url: str) -> None:
+        nonlocal listening
+        listening = True
+        print(f"narwhal-sim listening on {url}", flush=True)
+
+    try:
+        asyncio.run(_until_signalled(server, started))
+    except BaseException as exc:
+        cause = None if listening else startup_oserror(exc)
+        if cause is None:
+            raise
+        print(f"narwhal-sim: start-up failed: {startup_problem(cause, args.host)}", file=sys.stderr)
+        sys.exit(EXIT_START)
+
+
+def _check_fleet(args: argparse.Namespace, extra: list[str]) -> None:
+    """Refuse a fleet that cannot start before any engine does: a bad layout, options the fleet
+    sets per engine, or engine options out of range (checked by the engine's own parser)."""
+    fleet: argparse.ArgumentParser = args.command_parser
+    problem = check_layout(args.prefill, args.decode, args.base_port)
+    if problem:
+        fleet.error(problem)
+    for arg in extra:
+        if arg.split("=", 1)[0] in FLEET_SETS:
+            fleet.error(f"{arg.split('=', 1)[0]}: the fleet sets it for each engine")
+    engine = argparse.ArgumentParser(prog=fleet.prog, usage=fleet.usage, add_help=False)
+    _engine_options(engine)
+    engine.parse_args(extra)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -137,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "serve":
         serve(args, parser)
     elif args.command == "fleet":
+        _check_fleet(args, extra)
         sys.exit(
             asyncio.run(run_fleet(args.prefill, args.decode, args.base_port, args.host, extra))
         )

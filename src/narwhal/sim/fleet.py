@@ -18,6 +18,9 @@ from narwhal.sim.config import KvRole, Role
 _START_TIMEOUT_S = 20.0
 _STOP_GRACE_S = 5.0
 _READY_PREFIX = "narwhal-sim listening on "
+_DECODE_OFFSET = 100
+# Options the fleet gives each engine itself; forwarding them too would make engines collide.
+FLEET_SETS = frozenset({"--port", "--role", "--kv-role", "--engine-id"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +31,34 @@ class EngineSpec:
     kv_role: KvRole
 
 
+def check_layout(prefill: int, decode: int, base_port: int) -> str | None:
+    """Why this fleet cannot be laid out (a problem naming the option), or None."""
+    if prefill < 0 or decode < 0:
+        return "--prefill and --decode must be >= 0"
+    if prefill + decode == 0:
+        return "--prefill and --decode: the fleet needs at least one engine"
+    if prefill > _DECODE_OFFSET:
+        return (
+            f"--prefill: at most {_DECODE_OFFSET} prefill engines, or their ports would reach "
+            f"the decode engines' (from --base-port + {_DECODE_OFFSET})"
+        )
+    last = base_port + _DECODE_OFFSET + decode - 1 if decode else base_port + prefill - 1
+    if base_port < 1 or last > 65535:
+        return f"--base-port {base_port}: the fleet's ports would run from {base_port} to {last}"
+    return None
+
+
 def fleet_specs(prefill: int, decode: int, base_port: int) -> list[EngineSpec]:
     """Prefill engines from `base_port`, decode engines from `base_port + 100`."""
+    problem = check_layout(prefill, decode, base_port)
+    if problem:
+        raise ValueError(problem)
     prefills = [
         EngineSpec(f"prefill-{i}", base_port + i, Role.PREFILL, KvRole.PRODUCER)
         for i in range(prefill)
     ]
     decodes = [
-        EngineSpec(f"decode-{i}", base_port + 100 + i, Role.DECODE, KvRole.CONSUMER)
+        EngineSpec(f"decode-{i}", base_port + _DECODE_OFFSET + i, Role.DECODE, KvRole.CONSUMER)
         for i in range(decode)
     ]
     return prefills + decodes
@@ -62,12 +85,18 @@ async def _spawn(spec: EngineSpec, host: str, extra: Sequence[str]) -> asyncio.s
     )
 
 
-async def _ready_url(proc: asyncio.subprocess.Process) -> str:
+async def _ready_url(spec: EngineSpec, proc: asyncio.subprocess.Process) -> str:
     assert proc.stdout is not None
-    async with asyncio.timeout(_START_TIMEOUT_S):
-        line = (await proc.stdout.readline()).decode()
+    try:
+        async with asyncio.timeout(_START_TIMEOUT_S):
+            line = (await proc.stdout.readline()).decode()
+    except TimeoutError:
+        raise RuntimeError(
+            f"{spec.name} (port {spec.port}) not listening after {_START_TIMEOUT_S:.0f} s"
+        ) from None
     if not line.startswith(_READY_PREFIX):
-        raise RuntimeError(f"engine exited with status {await proc.wait()}")
+        status = await proc.wait()
+        raise RuntimeError(f"{spec.name} (port {spec.port}) exited with status {status}")
     return line[len(_READY_PREFIX) :].strip()
 
 
@@ -103,8 +132,8 @@ async def run_fleet(
     try:
         for spec in specs:
             procs.append(await _spawn(spec, host, extra))
-        urls = await asyncio.gather(*(_ready_url(p) for p in procs))
-    except (RuntimeError, TimeoutError, OSError) as exc:
+        urls = await asyncio.gather(*(_ready_url(s, p) for s, p in zip(specs, procs, strict=True)))
+    except (RuntimeError, OSError) as exc:
         print(f"narwhal-sim fleet: an engine did not start: {exc}", file=sys.stderr, flush=True)
         await _stop(procs)
         return 1
