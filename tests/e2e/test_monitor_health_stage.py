@@ -104,3 +104,25 @@ async def test_a_hanging_metrics_endpoint_does_not_stall_the_health_stage(
         return all(engine.generation is not None for engine in rr.router.fleet)
 
     await eventually(learned, timeout_s=15, what="generations learned")
+
+
+async def test_one_hanging_engine_does_not_stop_the_others_from_being_learned(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Each healthy engine learns in its own task as soon as its check answers: waiting for
+    the slowest check first would leave no time before the deadline on every pass."""
+    sims = sim_factory.start_many([PREFILL, DECODE, DECODE])
+    sims[0].add_fault({"kind": "health_hang", "delay_s": 30})
+    rr = await start_router(
+        _fleet(sims), engine={"health_timeout_s": HEALTH_TIMEOUT_S}, recovery=QUIET_RECOVERY
+    )
+    fleet = rr.router.fleet
+
+    def learned() -> bool:
+        return all(fleet.get(i).generation is not None for i in ("e1", "e2"))
+
+    await eventually(learned, timeout_s=15, what="the healthy engines' generations")
+    assert all(fleet.get(i).max_model_len is not None for i in ("e1", "e2"))
+    assert fleet.get("e0").generation is None  # never healthy, never asked
+    durations = await _health_durations(http, rr, 2)
+    assert durations and all(d < STAGE_BOUND_S for d in durations), durations

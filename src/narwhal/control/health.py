@@ -83,10 +83,12 @@ class HealthStages:
         self._last: dict[str, HealthResult] | None = None
 
     async def health(self, now: float) -> None:
-        """Check every engine concurrently, record the outcomes, then learn what is missing
-        about the healthy ones, concurrently too; the whole stage takes at most about
-        `engine.health_timeout_s`, however many engines are slow (a hanging `/metrics` or
-        `/v1/models` delays nothing: what was not learned in time is asked again next pass)."""
+        """Check every engine concurrently and record the outcomes. Each healthy engine then
+        has what is missing about it learned in its own task, cut off at the stage's deadline,
+        so the whole stage takes at most about `engine.health_timeout_s` however many engines
+        are slow, and one engine's hang never stops the others from learning (a hanging
+        `/metrics` or `/v1/models` delays nothing: what was not learned in time is asked
+        again next pass)."""
         deadline = asyncio.get_running_loop().time() + self._cfg.engine.health_timeout_s
         self._last = None
         engines = [
@@ -95,9 +97,12 @@ class HealthStages:
             if e.ejected is None or HoldName.FAILURE_QUARANTINE in e.active_holds_by_name(now)
         ]
         timeout = self._cfg.engine.health_timeout_s
-        results = await asyncio.gather(
-            *(check_health(self._client, self._adapters, e, timeout) for e in engines)
-        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._check(e, timeout, deadline)) for e in engines]
+        except ExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None  # the stage's error names the real class
+        results = [task.result() for task in tasks]
         self._last = {}
         for engine, result in zip(engines, results, strict=True):
             self._last[engine.id] = result
@@ -110,15 +115,16 @@ class HealthStages:
             elif engine.ejected is None:
                 assert result.failure is not None
                 self._evidence.failure(engine.id, result.failure, "health")
-        healthy = [e for e in engines if self._last[e.id].answer is Answer.OK]
-        try:
-            async with asyncio.timeout_at(deadline), asyncio.TaskGroup() as group:
-                for engine in healthy:
-                    group.create_task(self._learn(engine))
-        except TimeoutError:
-            log.debug("health stage: learning cut off at the health timeout")
-        except ExceptionGroup as group_error:
-            raise group_error.exceptions[0] from None  # the stage's error names the real class
+
+    async def _check(self, engine: EngineState, timeout_s: float, deadline: float) -> HealthResult:
+        result = await check_health(self._client, self._adapters, engine, timeout_s)
+        if result.answer is Answer.OK:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._learn(engine)
+            except TimeoutError:
+                log.debug("engine %s: learning cut off at the health timeout", engine.id)
+        return result
 
     async def _learn(self, engine: EngineState) -> None:
         """What a healthy engine's identity and limits are, read once (the adapter's own
