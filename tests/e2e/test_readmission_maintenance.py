@@ -28,6 +28,7 @@ from tests.e2e.test_readmission_support import (
     in_service,
     two_prefill,
 )
+from tests.support.poll import eventually
 from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory
 
@@ -177,3 +178,53 @@ async def test_maintenance_after_an_unnoticed_in_place_restart_still_needs_a_new
     await asyncio.to_thread(p0.add_fault, {"kind": "restart"})  # the real maintenance restart
     e = await admin.wait_engine("p0", in_service, "back in service by itself", timeout_s=20)
     assert e["generation"] > gen1
+
+
+@pytest.mark.slow
+async def test_the_maintenance_baseline_survives_a_router_resume(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Maintenance asked while the generation is unreadable: the baseline is the request time,
+    kept in the handoff (`newer_than`), so the resumed router still refuses the same process
+    (it knows no generation of its own to compare with) and accepts a restarted one."""
+    p0, p1, d0 = sim_factory.start_many([list(SLOW_PREFILL), list(SLOW_PREFILL), list(DECODE)])
+    front = await EngineFront(p0.url).start()
+    front.answer["/metrics"] = 503
+    try:
+        engines = [engine("p0", front.url, "prefill"), *two_prefill(p0, p1, d0)[1:]]
+        first = await start_router(engines, admin={"token": TOKEN})
+        admin = Admin(http, first.url)
+        await admin.wait_ready()
+        await admin.maintenance("p0")
+
+        async def saved_baseline() -> float | None:
+            status, body = await admin.get("/admin/handoff")
+            doc = body["document"] if status == 200 else None
+            holds = doc["engines"]["p0"]["holds"] if doc else []
+            held = [h for h in holds if h["name"] == "planned_maintenance"]
+            return held[0].get("newer_than") if held else None
+
+        baseline = await eventually(saved_baseline, timeout_s=10, what="baseline in the handoff")
+        gen0 = await asyncio.to_thread(p0.process_start_time)
+        assert baseline > gen0  # the request time: the running process started before it
+        await first.stop()
+
+        del front.answer["/metrics"]  # the same process, its generation readable now
+        resumed = await start_router(
+            engines, admin={"token": TOKEN}, router_kwargs={"resume": True}
+        )
+        verdict = resumed.router.resume_verdict
+        assert verdict is not None and verdict.ok, verdict
+        admin = Admin(http, resumed.url)
+        await admin.wait_passes(15)
+        e = await admin.engine("p0")
+        assert hold_names(e) == ["planned_maintenance"] and e["eligible"] is False, e
+        status, body = await admin.readmit("p0")
+        assert status == 409, body
+        assert_failed_at(body["steps"], "generation_identity", f"newer than {baseline}")
+
+        await asyncio.to_thread(p0.add_fault, {"kind": "restart"})
+        e = await admin.wait_engine("p0", in_service, "back in service by itself", timeout_s=20)
+        assert e["generation"] > baseline
+    finally:
+        await front.close()
