@@ -222,7 +222,7 @@ async def test_drain_quarantine_and_ejection_survive_a_restart(
         p1, d1 = engines["p1"], engines["d1"]
         assert [h["name"] for h in p1["holds"]] == ["operator_drain"]
         assert p1["eligible"] is False and p1["ejected"] is None
-        assert d1["ejected"] == saved["engines"]["d1"]["ejection"]
+        assert d1["ejected"] == {**saved["engines"]["d1"]["ejection"], "class": "connection"}
         assert d1["eligible"] is False
         (hold,) = d1["holds"]
         assert hold == quarantine  # the same wall deadline, not a fresh 600 s
@@ -259,7 +259,8 @@ async def test_an_ejection_survives_and_the_sequence_continues(
     router = second.router
     assert router.handoff.sequence >= saved["sequence"]
     d1 = (await engines_by_id(second))["d1"]
-    assert d1["ejected"] == saved["engines"]["d1"]["ejection"]
+    # The admin view is the saved record plus `class` (the failure class that ejected it).
+    assert d1["ejected"] == {**saved["engines"]["d1"]["ejection"], "class": "connection"}
 
     def written() -> bool:
         return router.handoff.writes >= 3
