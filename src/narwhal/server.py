@@ -83,6 +83,7 @@ class Router:
     ) -> None:
         self.config = config
         self.clock = clock or SystemClock()
+        self._wall_offset_s = self.clock.wall() - self.clock.monotonic()
         self.metrics = Metrics()
         self.fleet = Fleet(config.engines)
         self.admission = Admission()
@@ -384,10 +385,12 @@ class Router:
         return reason
 
     def _wall_of(self, monotonic_s: float | None) -> float | None:
-        """A monotonic moment as wall-clock seconds, for the admin API (None stays None)."""
+        """A monotonic moment as wall-clock seconds, for the admin API (None stays None).
+
+        Uses the clocks' offset taken at start, so the same moment always reads the same."""
         if monotonic_s is None:
             return None
-        return self.clock.wall() - (self.clock.monotonic() - monotonic_s)
+        return monotonic_s + self._wall_offset_s
 
     def engines_json(self) -> list[dict[str, Any]]:
         now = self.clock.monotonic()
