@@ -137,13 +137,25 @@ def test_a_listen_host_that_does_not_resolve_exits_1(tmp_path: Path) -> None:
     assert one_line(result).startswith(f"{PREFIX}start-up failed: listen nowhere.invalid:8080: ")
 
 
-def test_a_handoff_directory_that_cannot_be_created_exits_1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", ["handoff.path", "lease.path"])
+def test_a_state_directory_that_cannot_be_created_exits_1(tmp_path: Path, key: str) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")  # a file where the state directory should be (refused even for root)
-    handoff = {"path": str(blocker / "state" / "handoff.json")}
-    config = write(tmp_path, config_dict(tmp_path, handoff=handoff))
+    section = key.split(".")[0]
+    overrides: dict[str, Any] = {"lease": {"backend": "file"}}
+    overrides[section] = {**overrides.get(section, {}), "path": str(blocker / "s" / "x.json")}
+    config = write(tmp_path, config_dict(tmp_path, **overrides))
     result = serve("--config", str(config), cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     line = one_line(result)
-    assert line.startswith(f"{PREFIX}start-up failed: handoff.path: "), line
-    assert str(blocker / "state") in line, line
+    assert line.startswith(f"{PREFIX}start-up failed: {key}: "), line
+    assert str(blocker / "s") in line, line
+
+
+def test_a_file_lease_directory_is_created_at_start(tmp_path: Path, busy_port: int) -> None:
+    # The lease directory exists before the router binds: a busy port stops it right after.
+    lease = {"path": str(tmp_path / "lease-dir" / "lease.json")}  # backend: file by default
+    config = write(tmp_path, config_dict(tmp_path, listen=f"127.0.0.1:{busy_port}", lease=lease))
+    result = serve("--config", str(config), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert (tmp_path / "lease-dir").is_dir()

@@ -84,14 +84,20 @@ def _demo_problems(listen: str) -> list[str]:
     return check_startable(placeholder)
 
 
-def _make_state_dir(handoff_path: str) -> None:
-    directory = Path(handoff_path).parent
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StartupError(
-            f"handoff.path: cannot create directory {str(directory)!r}: {exc.strerror or exc}"
-        ) from None
+def _make_state_dirs(config: Config) -> None:
+    """Create the directories of the handoff document and of a `file` lease, so a fresh host
+    starts; a directory that cannot be created is a StartupError naming its key."""
+    paths = {"handoff.path": config.handoff.path}
+    if config.lease.backend == "file":
+        paths["lease.path"] = config.lease.path
+    for key, path in paths.items():
+        directory = Path(path).parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(
+                f"{key}: cannot create directory {str(directory)!r}: {exc.strerror or exc}"
+            ) from None
 
 
 async def _run_router(
@@ -120,7 +126,7 @@ async def _run_router(
 async def _serve(config: Config, resume: bool, standby: bool) -> None:
     from narwhal.server import Router
 
-    await asyncio.to_thread(_make_state_dir, config.handoff.path)
+    await asyncio.to_thread(_make_state_dirs, config)
     router = Router(config, resume=resume, standby=standby)
     await _run_router(router, config)
 
@@ -133,7 +139,7 @@ async def _demo(listen: str) -> None:
         prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
         decode = [await start_sim(stack, "decode", []) for _ in range(2)]
         config = demo_config(prefill, decode, listen)
-        await asyncio.to_thread(_make_state_dir, config.handoff.path)
+        await asyncio.to_thread(_make_state_dirs, config)
         router = Router(config)
         url = f"http://{config.listen_host}:{config.listen_port}"
         await _run_router(router, config, on_ready=lambda _: print(banner(url), flush=True))
