@@ -35,12 +35,16 @@ NO_SWEEPS = {"monitor_interval_s": 30.0}  # one pass at start, then no probe dur
 class RecomputingDecode(VllmAdapter):
     """Every decode answers, but evidently recomputed the prompt (as llama.cpp's timings tell)."""
 
+    decode_verifies_handoff = True
+
     def recomputed(self, final_event: bytes | None) -> str | None:
         return "decode recomputed the prompt (fake adapter)"
 
 
 class RefusingDecode(VllmAdapter):
     """Every decode refuses the handoff (as a llama.cpp slot restore that fails)."""
+
+    decode_verifies_handoff = True
 
     @asynccontextmanager
     async def decode(

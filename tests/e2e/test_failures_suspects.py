@@ -62,8 +62,9 @@ async def test_the_only_prefill_and_decode_engines_held_together_clear_each_othe
     rr = await start_router(
         [{"id": "p0", "url": p0.url, "role": "prefill"},
          {"id": "d0", "url": d0.url, "role": "decode"}],
-        # A long pass interval: both holds land between two passes, before any probe runs.
-        controller={"monitor_interval_s": 4.0},
+        # No pass of its own after the first: both holds land before any probe runs, and
+        # the test then drives the passes itself.
+        controller={"monitor_interval_s": 300.0},
         recovery={"eject_after": 2, "liveness_misses": 50},
         serving={"stream_idle_timeout_s": 1.0},
     )  # fmt: skip
@@ -97,6 +98,7 @@ async def test_the_only_prefill_and_decode_engines_held_together_clear_each_othe
     assert [f["fired"] for f in p0.faults() + d0.faults()] == [2, 2]
 
     async def both_back() -> bool:
+        await rr.router.monitor.run_pass(rr.router.clock.monotonic())
         states = [await engine(http, rr, e) for e in ("p0", "d0")]
         return all(s["eligible"] and not s["holds"] for s in states)
 

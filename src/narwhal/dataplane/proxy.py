@@ -357,13 +357,15 @@ class DataPlane:
             tried.add(decode.id)
             return await self._decode_leg(req, request, deadline, attempt, prefill, decode, handoff)
         finally:
-            # The prefill's success clears kv_handoff evidence, so it counts only once the
-            # decode did not refuse the handoff or recompute the prompt; recorded first, it
-            # would reset every kv_handoff streak and the streak would never reach eject_after.
-            # A decode that fails for another reason leaves the prefill's success standing.
-            if not attempt.handoff_failed:
+            # Where only the decode can judge the handoff, the prefill's success (which clears
+            # kv_handoff evidence) counts once the decode did not refuse it or recompute the
+            # prompt; recorded first, it would reset every kv_handoff streak and the streak
+            # would never reach eject_after. A decode failing for another reason leaves the
+            # prefill's success standing.
+            adapter = self._adapters(prefill.config)
+            if adapter.decode_verifies_handoff and not attempt.handoff_failed:
                 self._succeed(prefill, "prefill", SuccessKind.PREFILL_HANDOFF)
-            await self._adapters(prefill.config).discard(prefill.config, handoff)
+            await adapter.discard(prefill.config, handoff)
 
     async def _prefill_leg(
         self, req: ClientRequest, deadline: float, attempt: _Attempt, engine: EngineState
@@ -403,7 +405,11 @@ class DataPlane:
             assert isinstance(reply.parsed, dict)
             return _finished_response(req, reply.parsed)
         self._stats.latency(engine.id, time.perf_counter() - leg_start)
-        return result  # its success is recorded once the decode used the handoff (_attempt)
+        if not self._adapters(engine.config).decode_verifies_handoff:
+            # Recorded now: deferred to the end of a long stream, it would erase failures
+            # the prefill had since (otherwise see _attempt).
+            self._succeed(engine, "prefill", SuccessKind.PREFILL_HANDOFF)
+        return result
 
     async def _decode_leg(
         self,

@@ -73,6 +73,10 @@ class SlotsBusy(Exception):
 
 
 class Adapter(Protocol):
+    # True when only the decode can tell whether a handoff was usable (it refuses it, or
+    # recomputes the prompt): the prefill's success then waits for the decode's verdict.
+    decode_verifies_handoff: bool
+
     async def prefill(
         self,
         pool: PoolKind,

@@ -159,6 +159,8 @@ async def _unlink(path: Path) -> None:
 
 
 class LlamaCppAdapter:
+    decode_verifies_handoff = True  # a slot file is judged only when the decode restores it
+
     def __init__(self, client: EngineClient, clock: Clock, control_timeout_s: float) -> None:
         self._client = client
         self._clock = clock

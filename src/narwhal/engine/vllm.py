@@ -115,6 +115,8 @@ def parse_generation(metrics_text: bytes) -> float | None:
 class VllmAdapter:
     """vLLM with the NixlConnector: the handoff travels in the decode body; nothing to free."""
 
+    decode_verifies_handoff = False  # an unreadable handoff is visible in the prefill's answer
+
     def __init__(self, client: EngineClient, control_timeout_s: float) -> None:
         self._client = client
         self._timeout_s = control_timeout_s
