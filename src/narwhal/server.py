@@ -396,6 +396,7 @@ class Router:
         now = self.clock.monotonic()
         out = []
         for e in self.fleet:
+            holds = e.active_holds(now)
             out.append(
                 {
                     "id": e.id,
@@ -403,15 +404,17 @@ class Router:
                     "role": e.role.value,
                     "kv_role": e.config.effective_kv_role.value,
                     "eligible": self.fleet.eligible(e, now),
-                    "ejected": e.ejected.admin_json() if e.ejected else None,
-                    "holds": [
+                    "ejected": e.ejected is not None,
+                    "ejection": e.ejected.admin_json() if e.ejected else None,
+                    "holds": [h.name.value for h in holds],
+                    "hold_details": [
                         {
                             "name": h.name.value,
                             "reason": h.reason,
                             "since": h.since_wall,
                             "deadline": h.deadline_wall,
                         }
-                        for h in e.active_holds(now)
+                        for h in holds
                     ],
                     "evidence": {c.value: e.evidence.get(c, 0) for c in FailureClass},
                     "liveness_misses": e.liveness_misses,

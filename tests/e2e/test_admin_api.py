@@ -4,6 +4,8 @@ DESIGN §6: the admin API lives under `/admin` (bearer token when configured; re
 off loopback without one): `GET /admin/engines` -> `{"engines": [{"id", "url", "role",
 "eligible", "ejected", "holds", "evidence", "liveness_misses", "in_flight", ...}]}`,
 `POST /admin/engines/{id}/drain|maintenance|readmit`, `GET /admin/monitor|handoff|lease`.
+`holds` is a list of hold names and `ejected` a boolean (DESIGN's names are used everywhere);
+the objects behind them are `hold_details` and `ejection` (docs/readmission.md).
 docs/configuration.md: `admin.token`, `admin.token_env`, `admin.token_file` (trimmed; empty
 means no token).
 """
@@ -227,7 +229,7 @@ async def test_an_admin_body_may_be_empty_or_an_object_with_a_reason(
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with http.post(f"{rr.url}/admin/engines/p0/drain", data=raw, headers=headers) as r:
         assert (r.status, await r.json()) == (200, {"engine": "p0", "hold": "operator_drain"})
-    (hold,) = (await admin.engine("p0"))["holds"]
+    (hold,) = (await admin.engine("p0"))["hold_details"]
     reason = "kernel 6.9 upgrade" if b"reason" in raw else None
     assert hold["reason"] == ("operator request: " + reason if reason else "operator request")
 
@@ -270,8 +272,9 @@ async def test_admin_engines_view(
     await admin.drain("p0")
     by_id = {e["id"]: e for e in await admin.engines()}
     assert list(by_id) == ["p0", "d0"]
-    required = {"id", "url", "role", "eligible", "ejected", "holds", "evidence", "liveness_misses",
-                "in_flight", "drain_settled", "readmission", "generation"}  # fmt: skip
+    required = {"id", "url", "role", "eligible", "ejected", "ejection", "holds", "hold_details",
+                "evidence", "liveness_misses", "in_flight", "drain_settled", "readmission",
+                "generation"}  # fmt: skip
     for e in by_id.values():
         assert required <= set(e), set(e)
         assert set(e["evidence"]) == FAILURE_CLASSES and set(e["evidence"].values()) == {0}
@@ -279,12 +282,36 @@ async def test_admin_engines_view(
     assert (p0["url"], p0["role"], p0["kv_role"]) == (sims[0].url, "prefill", "kv_producer")
     assert (d0["url"], d0["role"], d0["kv_role"]) == (sims[1].url, "decode", "kv_consumer")
     assert p0["eligible"] is False and d0["eligible"] is True
-    assert p0["ejected"] is None and p0["liveness_misses"] == 0 and p0["in_flight"] == 0
+    assert p0["ejected"] is False and p0["liveness_misses"] == 0 and p0["in_flight"] == 0
     assert hold_names(p0) == ["operator_drain"]
-    hold = p0["holds"][0]
+    hold = p0["hold_details"][0]
     assert set(hold) == {"name", "reason", "since", "deadline"} and hold["deadline"] is None
     assert isinstance(hold["since"], float)
     assert p0["generation"] == await asyncio.to_thread(sims[0].process_start_time)
+
+
+async def test_admin_engines_holds_are_names_and_ejected_is_a_boolean(
+    sims: Any, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The black-box contract: `"operator_drain" in engine["holds"]`, `engine["ejected"] is
+    True/False`; the hold objects and the ejection record sit beside them."""
+    dead = engine("d1", "http://127.0.0.1:9", "decode")  # nothing listens: ejected
+    rr = await start_router([*fleet(sims), dead], admin={"token": TOKEN})
+    admin = Admin(http, rr.url)
+    await admin.drain("p0")
+    p0 = await admin.engine("p0")
+    assert "operator_drain" in p0["holds"] and p0["holds"] == ["operator_drain"]
+    assert p0["hold_details"][0]["name"] == "operator_drain"
+    assert p0["hold_details"][0]["reason"] == "operator request"
+    assert p0["ejected"] is False and p0["ejection"] is None
+
+    d1 = await admin.wait_engine("d1", lambda e: e["ejected"] is True, "d1 ejected", 10)
+    assert d1["ejection"]["cause"] in ("connection", "liveness"), d1["ejection"]
+    assert d1["ejection"]["class"] == d1["ejection"]["cause"]
+    assert d1["eligible"] is False
+    d0 = await admin.engine("d0")
+    assert d0["ejected"] is False and d0["ejection"] is None
+    assert d0["holds"] == [] and d0["hold_details"] == []
 
 
 # --------------------------------------------------------------------------------------------

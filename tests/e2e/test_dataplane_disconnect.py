@@ -95,7 +95,7 @@ async def _assert_nothing_recorded(http: aiohttp.ClientSession, rr: RunningRoute
     assert rr.router.dataplane.pool.in_use == 0, "the data connection was given back"
     for engine in rr.router.engines_json():
         assert all(v == 0 for v in engine["evidence"].values()), engine
-        assert engine["ejected"] is None and engine["holds"] == []
+        assert engine["ejected"] is False and engine["holds"] == []
     samples = await _samples(http, rr)
     assert _total(samples, "narwhal_engine_failures_total") == 0
     outcomes = {s.labels["outcome"] for s in samples if s.name == "narwhal_requests_total"}

@@ -152,7 +152,7 @@ async def _assert_classified(
         assert streaks == {FailureClass(cls): 1}
     admin = {e["id"]: e for e in rr.router.engines_json()}
     assert all(e["in_flight"] == 0 for e in admin.values())
-    assert all(e["ejected"] is None for e in admin.values())
+    assert all(e["ejected"] is False for e in admin.values())
 
 
 # ------------------------------------------------------------- failures before any byte

@@ -92,7 +92,7 @@ async def _complete(http: aiohttp.ClientSession, rr: RunningRouter, stream: bool
 
 def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
     state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return [h["name"] for h in state["holds"]]
+    return list(state["holds"])
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ async def _metric(
 
 def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
     state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return [h["name"] for h in state["holds"]]
+    return list(state["holds"])
 
 
 # ------------------------------------------------------------------ in-band error events
@@ -134,7 +134,7 @@ async def test_an_engine_that_keeps_sending_error_events_fails_its_inference_pro
         assert status == 200 and b'data: {"error"' in raw
 
     def ejected() -> Any:
-        return next(e for e in rr.router.engines_json() if e["id"] == "d0")["ejected"]
+        return next(e for e in rr.router.engines_json() if e["id"] == "d0")["ejection"]
 
     record = await eventually(ejected, timeout_s=10, what="d0 ejected by its failed probe")
     assert record["cause"] == "inference_status", record

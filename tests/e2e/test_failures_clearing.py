@@ -214,7 +214,7 @@ async def test_streaks_are_per_class_so_mixed_failures_take_no_action(
     assert state["evidence"] == only(
         connection=1, inference_status=1, kv_handoff=1, overload=1, stream=1
     )
-    assert state["ejected"] is None and state["holds"] == []
+    assert state["ejected"] is False and state["holds"] == []
     assert (await complete(http, rr))[0] == 200
 
 
@@ -230,7 +230,7 @@ async def test_streaks_are_consecutive_a_clearing_success_restarts_them(
         assert (await complete(http, rr))[0] == 200
         assert (await engine(http, rr, "d0"))["evidence"]["inference_status"] == 0
     state = await engine(http, rr, "d0")
-    assert state["holds"] == [] and state["ejected"] is None
+    assert state["holds"] == [] and state["ejected"] is False
 
 
 async def test_streaks_are_per_engine(
@@ -256,4 +256,4 @@ async def test_streaks_are_per_engine(
     for engine_id in ("p0", "p1"):
         state = await engine(http, rr, engine_id)
         assert state["evidence"] == only(inference_status=1)
-        assert state["holds"] == [] and state["ejected"] is None
+        assert state["holds"] == [] and state["ejected"] is False

@@ -49,7 +49,7 @@ async def assert_clean(http: aiohttp.ClientSession, rr: RunningRouter) -> None:
     for state in await all_engines(http, rr):
         assert set(state["evidence"].values()) == {0}, state
         assert state["holds"] == [], state
-        assert state["ejected"] is None, state
+        assert state["ejected"] is False, state
         assert state["liveness_misses"] == 0, state
         assert state["in_flight"] == 0, state
     text = await get_metrics(http, rr)

@@ -88,14 +88,13 @@ async def right_after_a_pass(rr: RunningRouter) -> None:
 async def fail_until_held(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str) -> None:
     for _ in range(12):
         await burst(http, rr)
-        if any(h["name"] == "inference_verification"
-               for h in (await engine(http, rr, engine_id))["holds"]):  # fmt: skip
+        if "inference_verification" in (await engine(http, rr, engine_id))["holds"]:
             return
     raise AssertionError(f"{engine_id} was never held")
 
 
 def hold(state: dict[str, Any], name: str) -> dict[str, Any] | None:
-    return next((h for h in state["holds"] if h["name"] == name), None)
+    return next((h for h in state["hold_details"] if h["name"] == name), None)
 
 
 def assert_no_capacity(status: int, raw: bytes, role: str) -> None:
@@ -130,11 +129,11 @@ async def test_an_inconclusive_probe_keeps_the_hold_until_a_later_probe_conclude
     await eventually(lambda: inconclusive(2), timeout_s=5, what="two inconclusive probes")
     state = await engine(http, rr, "d0")
     assert hold(state, "inference_verification") is not None
-    assert state["ejected"] is None
+    assert state["ejected"] is False
     assert state["evidence"]["inference_status"] == 2
     assert await probes(http, rr, "d0", "inference", "failed") == 0
     # The peer's failure is not held against d0, and p0's own health sweeps ejected it.
-    assert (await engine(http, rr, "p0"))["ejected"]["cause"] == "connection"
+    assert (await engine(http, rr, "p0"))["ejection"]["cause"] == "connection"
     assert await get_text(http, rr.url + "/ready") == (503, "no capacity: prefill")
 
     # While no probe can conclude, the decode fault ends; once p0 is back, a probe concludes.
@@ -145,10 +144,10 @@ async def test_an_inconclusive_probe_keeps_the_hold_until_a_later_probe_conclude
         return None if state["holds"] else state
 
     state = await eventually(concluded, timeout_s=15, what="d0's hold released")
-    assert state["ejected"] is None
+    assert state["ejected"] is False
     assert state["evidence"]["inference_status"] == 0
     assert await probes(http, rr, "d0", "inference", "ok") == 1
-    assert (await engine(http, rr, "p0"))["ejected"] is None
+    assert (await engine(http, rr, "p0"))["ejected"] is False
     assert await get_text(http, rr.url + "/ready") == (200, "ready")
     assert await burst(http, rr, 4) == [200] * 4
 
@@ -182,7 +181,7 @@ async def test_a_peer_failing_the_probe_is_inconclusive_and_peers_keep_serving(
     assert [r["leg"] for r in probed] == ["decode"], "the probe's decode leg ran on d0"
     state = await engine(http, rr, "p1")
     assert hold(state, "inference_verification") is not None
-    assert state["ejected"] is None and state["eligible"] is False
+    assert state["ejected"] is False and state["eligible"] is False
     assert state["evidence"]["kv_handoff"] == 2
     # The peer's failure inside a probe is not evidence against the peer.
     assert set((await engine(http, rr, "d0"))["evidence"].values()) == {0}
@@ -197,7 +196,7 @@ async def test_a_peer_failing_the_probe_is_inconclusive_and_peers_keep_serving(
         return None if state["holds"] else state
 
     state = await eventually(concluded, timeout_s=5, what="a later probe concludes")
-    assert state["ejected"] is None
+    assert state["ejected"] is False
     assert state["evidence"]["kv_handoff"] == 0
     assert await probes(http, rr, "p1", "inference", "ok") == 1
 
@@ -223,11 +222,11 @@ async def test_quarantine_blocks_readmission_until_its_deadline(
         return state if hold(state, "failure_quarantine") else None
 
     state = await eventually(quarantined, timeout_s=5, what="d1 ejected and quarantined")
-    assert state["ejected"]["cause"] == "connection"
+    assert state["ejection"]["cause"] == "connection"
     q = hold(state, "failure_quarantine")
     assert q is not None and q["deadline"] is not None
     assert q["deadline"] - q["since"] == pytest.approx(1.0, abs=0.01)
-    assert q["deadline"] == pytest.approx(state["ejected"]["at"] + 1.0, abs=0.05)
+    assert q["deadline"] == pytest.approx(state["ejection"]["at"] + 1.0, abs=0.05)
     assert "connection" in q["reason"]
 
     # Sample /admin/engines until readmission: (wall time, quarantine listed, attempts made).
@@ -238,7 +237,7 @@ async def test_quarantine_blocks_readmission_until_its_deadline(
         samples.append(
             (time.time(), hold(state, "failure_quarantine") is not None, len(state["readmission"]))
         )
-        return state["ejected"] is None
+        return state["ejected"] is False
 
     await eventually(readmitted, timeout_s=15, what="d1 readmitted")
     before = [s for s in samples if s[0] < q["deadline"] - 0.02]
@@ -276,8 +275,8 @@ async def test_health_200_clears_quarantine_early_and_readmission_returns_the_en
 
     state = await eventually(ejected, timeout_s=5, what="p1 ejected")
     p1.clear_faults()
-    assert state["ejected"]["cause"] == "kv_handoff"
-    assert state["ejected"]["evidence"]["kv_handoff"] == 2
+    assert state["ejection"]["cause"] == "kv_handoff"
+    assert state["ejection"]["evidence"]["kv_handoff"] == 2
     q = hold(state, "failure_quarantine")
     assert q is not None
     assert q["deadline"] - q["since"] == pytest.approx(30, abs=0.01)
@@ -285,7 +284,7 @@ async def test_health_200_clears_quarantine_early_and_readmission_returns_the_en
 
     async def back() -> dict[str, Any] | None:
         state = await engine(http, rr, "p1")
-        return state if state["ejected"] is None else None
+        return state if state["ejected"] is False else None
 
     state = await eventually(back, timeout_s=5, what="p1 readmitted")
     assert time.time() < q["deadline"] - 20, "readmitted long before the quarantine deadline"
@@ -312,7 +311,7 @@ async def test_the_only_decode_engine_can_be_ejected_and_comes_back_after_the_fa
         return await get_text(http, rr.url + "/ready") == (503, "no capacity: decode")
 
     await eventually(no_capacity, timeout_s=5, what="/ready 503 no capacity: decode")
-    assert (await engine(http, rr, "d0"))["ejected"]["cause"] == "connection"
+    assert (await engine(http, rr, "d0"))["ejection"]["cause"] == "connection"
     status, raw = await complete(http, rr)
     assert_no_capacity(status, raw, "decode")
 
@@ -346,7 +345,7 @@ async def test_a_confirmed_failure_of_the_only_decode_engine_keeps_it_out_while_
     assert statuses == [502, 502]
 
     async def confirmed() -> Any:
-        return (await engine(http, rr, "d0"))["ejected"]
+        return (await engine(http, rr, "d0"))["ejection"]
 
     record = await eventually(confirmed, timeout_s=5, what="d0 ejected by its probe")
     assert record["cause"] == "inference_status"
@@ -436,4 +435,4 @@ async def _held(
 
 
 async def _ejected(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str) -> Any:
-    return (await engine(http, rr, engine_id))["ejected"]
+    return (await engine(http, rr, engine_id))["ejection"]

@@ -333,7 +333,7 @@ def test_narwhal_serve_resume_applies_a_matching_handoff(served: Any) -> None:
     url, log = serve("--resume")
     engines = json.loads(http_get(url + "/admin/engines")[1])["engines"]
     p0 = next(e for e in engines if e["id"] == "p0")
-    assert [h["name"] for h in p0["holds"]] == ["operator_drain"]
+    assert p0["holds"] == ["operator_drain"]
     assert http_get(url + "/ready") == (503, "no capacity: prefill")
     assert "resume: applied handoff sequence 41 from router-a" in log.read_text()
     metrics = http_get(url + "/metrics")[1]

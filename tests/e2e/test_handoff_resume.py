@@ -220,11 +220,13 @@ async def test_drain_quarantine_and_ejection_survive_a_restart(
 
     async def check(engines: dict[str, dict[str, Any]]) -> None:
         p1, d1 = engines["p1"], engines["d1"]
-        assert [h["name"] for h in p1["holds"]] == ["operator_drain"]
-        assert p1["eligible"] is False and p1["ejected"] is None
-        assert d1["ejected"] == {**saved["engines"]["d1"]["ejection"], "class": "connection"}
+        assert p1["holds"] == ["operator_drain"]
+        assert p1["eligible"] is False and p1["ejected"] is False
+        assert d1["ejected"] is True
+        assert d1["ejection"] == {**saved["engines"]["d1"]["ejection"], "class": "connection"}
         assert d1["eligible"] is False
-        (hold,) = d1["holds"]
+        assert d1["holds"] == ["failure_quarantine"]
+        (hold,) = d1["hold_details"]
         assert hold == quarantine  # the same wall deadline, not a fresh 600 s
         assert engines["p0"]["eligible"] and engines["d0"]["eligible"]
 
@@ -260,7 +262,8 @@ async def test_an_ejection_survives_and_the_sequence_continues(
     assert router.handoff.sequence >= saved["sequence"]
     d1 = (await engines_by_id(second))["d1"]
     # The admin view is the saved record plus `class` (the failure class that ejected it).
-    assert d1["ejected"] == {**saved["engines"]["d1"]["ejection"], "class": "connection"}
+    assert d1["ejected"] is True
+    assert d1["ejection"] == {**saved["engines"]["d1"]["ejection"], "class": "connection"}
 
     def written() -> bool:
         return router.handoff.writes >= 3
@@ -272,7 +275,7 @@ async def test_an_ejection_survives_and_the_sequence_continues(
     assert doc["sequence"] > saved["sequence"]
     assert doc["engines"]["d1"]["ejection"] == saved["engines"]["d1"]["ejection"]
     # The engine is still dead: readmission keeps failing and it stays ejected.
-    assert (await engines_by_id(second))["d1"]["ejected"] is not None
+    assert (await engines_by_id(second))["d1"]["ejected"] is True
 
 
 async def test_without_resume_nothing_is_applied_but_the_sequence_continues(
@@ -478,7 +481,7 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
     assert (await get_json(rr.url + "/admin/handoff"))["resume"]["code"] == code
     # Fresh: nothing of the refused document was applied, and the router serves.
     engines = await engines_by_id(rr)
-    assert all(e["holds"] == [] and e["ejected"] is None for e in engines.values())
+    assert all(e["holds"] == [] and e["ejected"] is False for e in engines.values())
     assert all(e["eligible"] for e in engines.values())
     assert (await get(rr.url + "/ready")) == (200, "ready")
     assert await complete(rr) == 200

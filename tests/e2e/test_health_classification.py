@@ -82,7 +82,7 @@ async def test_a_non_200_health_answer_is_classified_and_is_alive(
     decode.add_fault({"kind": "health_status", "status": status})
     await _sweeps(rr, SWEEPS + 1)
     state = await _engine(http, rr, "d0")
-    assert state["ejected"] is None, state["ejected"]
+    assert state["ejected"] is False, state["ejection"]
     assert state["liveness_misses"] == 0
     evidence = {cls: n for cls, n in state["evidence"].items() if n}
     assert set(evidence) == {expected}, evidence
@@ -113,7 +113,7 @@ async def test_a_non_200_health_answer_neither_adds_nor_resets_a_liveness_miss(
     await _sweeps(rr, SWEEPS)
     state = await _engine(http, rr, "d0")
     assert state["liveness_misses"] == 1, "a 503 is not silent, and not a successful response"
-    assert state["ejected"] is None
+    assert state["ejected"] is False
     assert state["evidence"]["inference_status"] >= SWEEPS
     # A 200 resets the counter.
     decode.clear_faults()

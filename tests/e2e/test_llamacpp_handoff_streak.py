@@ -63,7 +63,7 @@ def _engine(engine_id: str, server: LlamaServer, role: str, slot_dir: Path) -> d
 
 def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
     state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return [h["name"] for h in state["holds"]]
+    return list(state["holds"])
 
 
 @pytest.mark.parametrize(("decode", "status"), [("recomputes", 200), ("refuses", 502)])

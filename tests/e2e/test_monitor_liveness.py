@@ -105,7 +105,7 @@ async def test_a_stopped_engine_is_ejected_after_liveness_misses_silent_sweeps(
     # The other engines' counters are their own.
     for other in ("p0", "d0"):
         state = await engine(http, rr, other)
-        assert state["liveness_misses"] == 0 and state["ejected"] is None
+        assert state["liveness_misses"] == 0 and state["ejected"] is False
     # Requests keep succeeding on the live decode engine.
     assert [await complete(http, rr) for _ in range(4)] == [200] * 4
 
@@ -114,13 +114,13 @@ async def test_a_stopped_engine_is_ejected_after_liveness_misses_silent_sweeps(
 
     async def back() -> bool:
         state = await engine(http, rr, "d1")
-        return state["ejected"] is None and state["liveness_misses"] == 0
+        return state["ejected"] is False and state["liveness_misses"] == 0
 
     await eventually(back, timeout_s=10, what="d1 readmitted after thaw")
 
 
 async def _ejected(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str) -> Any:
-    return (await engine(http, rr, engine_id))["ejected"]
+    return (await engine(http, rr, engine_id))["ejection"]
 
 
 async def test_a_killed_engine_is_ejected_after_liveness_misses_silent_sweeps(
@@ -152,7 +152,7 @@ async def test_a_slow_health_within_the_timeout_is_never_a_miss(
     )
     await eventually(lambda: rr.router.monitor.status.passes >= 8, timeout_s=10, what="8 passes")
     state = await engine(http, rr, "d1")
-    assert state["ejected"] is None
+    assert state["ejected"] is False
     assert state["liveness_misses"] == 0
     assert set(state["evidence"].values()) == {0}
     assert state["eligible"] is True
@@ -282,7 +282,7 @@ async def test_slow_passes_never_overlap(
         assert gap >= min(durations[i], durations[i + 1]) - 0.01, (passes[i], passes[i + 1])
     # The health checks of d0 kept succeeding (slow, not silent).
     state = await engine(http, rr, "d0")
-    assert state["liveness_misses"] == 0 and state["ejected"] is None
+    assert state["liveness_misses"] == 0 and state["ejected"] is False
 
 
 async def test_started_at_is_when_the_pass_started(

@@ -336,7 +336,7 @@ async def test_a_failing_stage_does_not_stop_the_rest_of_the_pass(
     async def ejected() -> dict[str, Any] | None:
         body = await get_json(http, rr.url + "/admin/engines")
         d1 = next(e for e in body["engines"] if e["id"] == "d1")
-        return d1["ejected"]
+        return d1["ejection"]
 
     record = await eventually(ejected, timeout_s=5, what="d1 ejected")
     assert record["cause"] == "liveness"

@@ -73,7 +73,7 @@ async def test_a_stalled_readmission_attempt_does_not_delay_monitor_passes(
     await asyncio.to_thread(p0.add_fault, {"kind": "stall_first_token", "leg": "prefill"})
     legs_before = await asyncio.to_thread(prefill_legs, p0)
     await asyncio.to_thread(p0.add_fault, {"kind": "refuse_connections", "duration_s": 2.0})
-    await admin.wait_engine("p0", lambda e: e["ejected"] is not None, "ejected", timeout_s=20)
+    await admin.wait_engine("p0", lambda e: e["ejected"] is True, "ejected", timeout_s=20)
 
     # Its port reopens and /health answers 200: an attempt starts and hangs at kv_transfer.
     async def attempt_stalled() -> bool:
@@ -93,7 +93,7 @@ async def test_a_stalled_readmission_attempt_does_not_delay_monitor_passes(
     for p in recent:
         stage = next(s for s in p["stages"] if s["stage"] == "readmission")
         assert stage["ok"] and stage["duration_s"] < 0.5, stage
-    assert (await admin.engine("p0"))["ejected"] is not None  # the attempt is still running
+    assert (await admin.engine("p0"))["ejected"] is True  # the attempt is still running
 
     # When the attempt ends, its result is applied: refused at kv_transfer, still ejected.
     def reported(e: dict[str, Any]) -> bool:
@@ -105,7 +105,7 @@ async def test_a_stalled_readmission_attempt_does_not_delay_monitor_passes(
     # The log says the same: step and reason.
     lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.readmission"]
     assert f"engine p0 readmission failed at kv_transfer: {last['reason']}" in lines, lines
-    assert e["ejected"] is not None and e["eligible"] is False
+    assert e["ejected"] is True and e["eligible"] is False
     text = await admin.metrics()
     assert metric(text, "narwhal_readmissions_total", engine="p0", result="failed",
                   step="kv_transfer") >= 1  # fmt: skip

@@ -70,8 +70,8 @@ async def test_drain_moves_new_traffic_to_the_peer_and_health_never_clears_it(
 
     await admin.drain("p0")
     e = await admin.engine("p0")
-    assert e["eligible"] is False and e["ejected"] is None
-    assert [(h["name"], h["deadline"]) for h in e["holds"]] == [("operator_drain", None)]
+    assert e["eligible"] is False and e["ejected"] is False
+    assert [(h["name"], h["deadline"]) for h in e["hold_details"]] == [("operator_drain", None)]
     await assert_traffic_avoids(http, rr.url, p0, p1)
     async with http.get(rr.url + "/ready") as resp:
         assert resp.status == 200  # p1 still carries prefill
@@ -88,9 +88,9 @@ async def test_drain_moves_new_traffic_to_the_peer_and_health_never_clears_it(
     await assert_traffic_avoids(http, rr.url, p0, p1, n=4)
 
     # A drain is idempotent: asking again keeps one hold, with its original start.
-    since = e["holds"][0]["since"]
+    since = e["hold_details"][0]["since"]
     await admin.drain("p0")
-    assert [h["since"] for h in (await admin.engine("p0"))["holds"]] == [since]
+    assert [h["since"] for h in (await admin.engine("p0"))["hold_details"]] == [since]
 
     # Successful operator readmission clears it; p0 takes traffic again.
     status, body = await admin.readmit("p0")
@@ -274,8 +274,8 @@ async def test_ejected_engine_is_retried_with_backoff_and_returns_with_evidence_
     outage_s = 4.0
     await asyncio.to_thread(p0.add_fault, {"kind": "refuse_connections", "duration_s": outage_s})
     outage_ends = time.monotonic() + outage_s
-    e = await admin.wait_engine("p0", lambda e: e["ejected"] is not None, "ejected", 5)
-    assert e["ejected"]["cause"] in ("connection", "liveness"), e["ejected"]
+    e = await admin.wait_engine("p0", lambda e: e["ejected"] is True, "ejected", 5)
+    assert e["ejection"]["cause"] in ("connection", "liveness"), e["ejection"]
     assert e["eligible"] is False
     passes_at_ejection = (await admin.monitor())["passes"]
 
@@ -290,7 +290,7 @@ async def test_ejected_engine_is_retried_with_backoff_and_returns_with_evidence_
             attempts.extend([time.monotonic()] * int(count - seen))
             seen = count
         current = await admin.engine("p0")
-        if current["ejected"] is None:
+        if current["ejected"] is False:
             back = current
         elif time.monotonic() < outage_ends - 0.2:
             steps = current["readmission"]
@@ -327,8 +327,8 @@ async def test_automatic_readmission_of_an_ejected_engine_keeps_its_operator_dra
     await admin.wait_ready()
     await admin.drain("p0")
     await asyncio.to_thread(p0.add_fault, {"kind": "refuse_connections", "duration_s": 1.0})
-    await admin.wait_engine("p0", lambda e: e["ejected"] is not None, "ejected", 5)
-    e = await admin.wait_engine("p0", lambda e: e["ejected"] is None, "ejection cleared", 15)
+    await admin.wait_engine("p0", lambda e: e["ejected"] is True, "ejected", 5)
+    e = await admin.wait_engine("p0", lambda e: e["ejected"] is False, "ejection cleared", 15)
     assert hold_names(e) == ["operator_drain"], e["holds"]
     assert e["eligible"] is False
     assert not in_service(e)

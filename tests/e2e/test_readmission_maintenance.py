@@ -53,7 +53,7 @@ async def test_maintenance_drains_refuses_the_same_process_and_a_restart_returns
     await admin.maintenance("p0")
     e = await admin.engine("p0")
     assert hold_names(e) == ["planned_maintenance"] and e["eligible"] is False
-    assert str(gen0) in e["holds"][0]["reason"]
+    assert str(gen0) in e["hold_details"][0]["reason"]
     assert await burst_share(http, rr.url, [p0, p1]) == [0, 6]  # no new traffic
 
     # The same process is refused, by the operator and by the monitor's readmission stage.
@@ -165,7 +165,7 @@ async def test_maintenance_after_an_unnoticed_in_place_restart_still_needs_a_new
     await admin.maintenance("p0")
     e = await admin.engine("p0")
     assert e["generation"] == gen1, e
-    assert e["holds"][0]["reason"] == f"planned maintenance at generation {gen1}", e
+    assert e["hold_details"][0]["reason"] == f"planned maintenance at generation {gen1}", e
     await admin.wait_passes(10)  # automatic attempts see the same process gen1
     e = await admin.engine("p0")
     assert hold_names(e) == ["planned_maintenance"] and e["eligible"] is False, e

@@ -132,11 +132,11 @@ class Admin:
 
 
 def hold_names(e: dict[str, Any]) -> list[str]:
-    return sorted(h["name"] for h in e["holds"])
+    return sorted(e["holds"])
 
 
 def in_service(e: dict[str, Any]) -> bool:
-    return bool(e["eligible"] and e["ejected"] is None and not e["holds"])
+    return bool(e["eligible"] and e["ejected"] is False and not e["holds"])
 
 
 async def complete(

@@ -346,7 +346,7 @@ async def test_admin_stats_and_engines_show_drift_and_risk(
     assert resp.status == 200
     body = await resp.json()
     p2 = next(e for e in body["engines"] if e["id"] == "p2")
-    assert [h["name"] for h in p2["holds"]] == ["performance_drift"]
+    assert p2["holds"] == ["performance_drift"]
     assert p2["eligible"] is False
     assert body["consolidation_risk"] == {
         "prefill": {"eligible": 2, "busiest_share": pytest.approx(1 / 3), "high": False},

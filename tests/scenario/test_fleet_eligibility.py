@@ -448,8 +448,9 @@ async def test_the_admin_ejection_record_names_the_class(tmp_path: Path, cause: 
     async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
         resp = await http.get("/admin/engines")
         engines = {e["id"]: e for e in (await resp.json())["engines"]}
-    assert engines["p0"]["ejected"] is None
-    assert engines["d0"]["ejected"] == {
+    assert engines["p0"]["ejected"] is False and engines["p0"]["ejection"] is None
+    assert engines["d0"]["ejected"] is True
+    assert engines["d0"]["ejection"] == {
         "class": cause,
         "cause": cause,
         "reason": "the reason",

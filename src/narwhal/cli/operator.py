@@ -67,8 +67,8 @@ def _table(engines: list[dict[str, Any]]) -> str:
     rows = [("ENGINE", "ROLE", "ELIGIBLE", "EJECTED", "HOLDS", "EVIDENCE", "LIVENESS", "IN-FLIGHT")]
     for e in engines:
         evidence = ",".join(f"{k}={v}" for k, v in e["evidence"].items() if v) or "-"
-        holds = ",".join(h["name"] for h in e["holds"]) or "-"
-        ejected = e["ejected"]["cause"] if e["ejected"] else "-"
+        holds = ",".join(e["holds"]) or "-"
+        ejected = e["ejection"]["cause"] if e["ejection"] else "-"
         rows.append(
             (
                 e["id"],

@@ -37,8 +37,9 @@ class Ejection:
         }
 
     def admin_json(self) -> dict[str, Any]:
-        """`/admin/engines`' record: `to_json` plus `class`, the failure class (or `liveness`)
-        that ejected the engine. Kept out of `to_json`, whose shape the handoff schema fixes."""
+        """`/admin/engines`' `ejection` record: `to_json` plus `class`, the failure class (or
+        `liveness`) that ejected the engine. Kept out of `to_json`, whose shape the handoff
+        schema fixes."""
         return {**self.to_json(), "class": self.cause}
 
 
