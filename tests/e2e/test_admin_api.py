@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,6 @@ from tests.support.sim_process import SimFactory, SimProcess
 GETS = ("/admin/engines", "/admin/monitor", "/admin/handoff", "/admin/lease")
 POSTS = ("/admin/engines/p0/drain", "/admin/engines/p0/maintenance", "/admin/engines/p0/readmit")
 FAILURE_CLASSES = {"connection", "timeout", "stream", "overload", "inference_status", "kv_handoff"}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 @pytest.fixture(scope="module")

@@ -54,12 +54,6 @@ async def narwhal(*args: str, env: dict[str, str] | None = None) -> Cli:
     return Cli(proc.returncode or 0, out.decode(), err.decode())
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
 @dataclass
 class Fleet:
     p0: SimProcess

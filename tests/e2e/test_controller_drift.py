@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +60,6 @@ WORDS = [
 def prompt(worker: int, n: int) -> str:
     words = [WORDS[(worker + n + i) % len(WORDS)] for i in range(48)]
     return " ".join([f"w{worker}", f"n{n}", *words])  # 50 words, each prompt distinct
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 class Load:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +84,6 @@ async def _router(start_router: StartRouter, sims: Sims, **serving: Any) -> Runn
                  "stream_idle_timeout_s": 0.5, "request_timeout_s": 5, **serving},
         recovery={"eject_after": 100, "liveness_misses": 100},
     )  # fmt: skip
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _complete(

@@ -82,12 +82,6 @@ async def rr(sims: Sims, start_router: StartRouter) -> RunningRouter:
     )  # fmt: skip
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def _assert_error_shape(status: int, content_type: str, raw: bytes, expected: int) -> Any:
     assert status == expected, raw
     assert content_type.startswith("application/json")

@@ -4,7 +4,7 @@ against any engine, and the request's in-flight count and data connection are gi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -68,12 +68,6 @@ async def rr(sims: Sims, start_router: StartRouter) -> RunningRouter:
          {"id": "d0", "url": sims.decode.url, "role": "decode"}],
         recovery={"eject_after": 100},
     )  # fmt: skip
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _samples(http: aiohttp.ClientSession, rr: RunningRouter) -> list[Any]:

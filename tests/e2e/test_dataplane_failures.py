@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +77,6 @@ def _engines(sims: Sims) -> list[dict[str, Any]]:
 
 async def _router(start_router: StartRouter, sims: Sims, **serving: Any) -> RunningRouter:
     return await start_router(_engines(sims), recovery=STAY, serving={**FAST, **serving})
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 # ------------------------------------------------------------------------------- helpers

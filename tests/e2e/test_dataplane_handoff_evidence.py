@@ -60,12 +60,6 @@ class RefusingDecode(VllmAdapter):
         yield {}  # pragma: no cover
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
-
-
 async def _router(
     sim_factory: SimFactory, start_router: StartRouter, adapter: type[VllmAdapter] | None
 ) -> tuple[RunningRouter, Any]:
@@ -90,11 +84,6 @@ async def _complete(http: aiohttp.ClientSession, rr: RunningRouter, stream: bool
         return resp.status
 
 
-def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
-    state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return list(state["holds"])
-
-
 @pytest.mark.parametrize(
     ("adapter", "stream", "status"),
     [
@@ -117,8 +106,8 @@ async def test_unusable_handoffs_build_a_streak_that_holds_the_prefill(
     assert await _complete(http, rr, stream) == status
     assert rr.router.fleet.get("p0").evidence == {FailureClass.KV_HANDOFF: 1}
     assert await _complete(http, rr, stream) == status
-    assert "inference_verification" in _holds(rr, "p0")
-    assert _holds(rr, "d0") == []
+    assert "inference_verification" in rr.holds("p0")
+    assert rr.holds("d0") == []
     assert rr.router.fleet.get("d0").evidence == {}
 
 

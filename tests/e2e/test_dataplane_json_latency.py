@@ -9,10 +9,8 @@ clients had no samples and could never get a `performance_drift` hold.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
@@ -32,22 +30,11 @@ CONTROLLER = {
 }
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
-
-
 async def _complete(http: aiohttp.ClientSession, rr: RunningRouter) -> int:
     body = {"model": "demo-model", "prompt": "json latency", "max_tokens": MAX_TOKENS}
     async with http.post(rr.url + "/v1/completions", json=body) as resp:
         await resp.read()
         return resp.status
-
-
-def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
-    state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return list(state["holds"])
 
 
 async def test_a_non_streamed_decode_records_its_leg_time_as_a_latency_sample(
@@ -87,11 +74,11 @@ async def test_a_slow_decode_behind_json_clients_gets_a_drift_hold(
     workers = [asyncio.create_task(worker()) for _ in range(4)]
     try:
         await eventually(
-            lambda: "performance_drift" in _holds(rr, "d2"), timeout_s=20, what="d2 drift hold"
+            lambda: "performance_drift" in rr.holds("d2"), timeout_s=20, what="d2 drift hold"
         )
     finally:
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     assert set(statuses) == {200}
-    assert _holds(rr, "d0") == [] and _holds(rr, "d1") == []
+    assert rr.holds("d0") == [] and rr.holds("d1") == []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -47,12 +47,6 @@ async def rr(shared: list[SimProcess], start_router: StartRouter) -> RunningRout
         [{"id": n, "url": s.url, "role": "prefill" if n[0] == "p" else "decode"}
          for n, s in zip(names, shared, strict=True)]
     )  # fmt: skip
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def _quick(http: aiohttp.ClientSession, rr: RunningRouter) -> None:

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +77,6 @@ def _engines(sims: Sims) -> list[dict[str, Any]]:
         {"id": "d0", "url": sims.d0.url, "role": "decode"},
         {"id": "d1", "url": sims.d1.url, "role": "decode"},
     ]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @dataclass

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.http import metric
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -77,14 +77,8 @@ def _drained_to_close(sock: socket.socket, timeout_s: float) -> bool:
 
 
 async def _metric(rr: RunningRouter, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as http, http.get(rr.url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+    async with aiohttp.ClientSession() as http:
+        return await metric(http, rr.url, name, **labels)
 
 
 async def test_a_client_that_stops_reading_is_cut_off_at_the_request_deadline(

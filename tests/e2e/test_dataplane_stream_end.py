@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.engine.failures import FailureClass
+from tests.support.http import metric
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory
@@ -33,12 +33,6 @@ NO_SWEEPS = {"monitor_interval_s": 30.0}  # one pass at start, then no probe dur
 DONE = b"data: [DONE]\n\n"
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
-
-
 async def _stream(http: aiohttp.ClientSession, rr: RunningRouter) -> tuple[int, bytes]:
     body = {"model": MODEL, "prompt": "how streams end", "max_tokens": 8, "stream": True}
     async with http.post(rr.url + "/v1/completions", json=body) as resp:
@@ -48,19 +42,7 @@ async def _stream(http: aiohttp.ClientSession, rr: RunningRouter) -> tuple[int, 
 async def _metric(
     http: aiohttp.ClientSession, rr: RunningRouter, name: str, **labels: str
 ) -> float:
-    async with http.get(rr.url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
-def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
-    state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return list(state["holds"])
+    return await metric(http, rr.url, name, **labels)
 
 
 # ------------------------------------------------------------------ in-band error events
@@ -112,8 +94,8 @@ async def test_a_streak_of_in_band_errors_holds_the_decode_for_inference_verific
     for _ in range(2):
         status, raw = await _stream(http, rr)
         assert status == 200 and b'data: {"error"' in raw
-    assert "inference_verification" in _holds(rr, "d0")
-    assert _holds(rr, "p0") == []
+    assert "inference_verification" in rr.holds("d0")
+    assert rr.holds("p0") == []
     assert rr.router.fleet.get("p0").evidence == {}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,12 +88,6 @@ def _engines(sims: Sims, **extra: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.fixture
 async def rr(clean: Sims, start_router: StartRouter) -> RunningRouter:
     return await start_router(_engines(clean))
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def _header(entry: dict[str, Any], name: str) -> str | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -28,12 +27,6 @@ PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
 NO_SWEEPS = {"monitor_interval_s": 30.0}  # one pass at start, then none during the test
 HOLD_WINDOW = {"monitor_interval_s": 2.0}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 def fleet(prefills: list[SimProcess], decodes: list[SimProcess]) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ clears evidence too) except in the health row, which needs them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -24,12 +23,6 @@ PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
 CLASSES = ("connection", "timeout", "stream", "overload", "inference_status", "kv_handoff")
 NO_SWEEPS = {"monitor_interval_s": 30.0}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 def fleet(prefills: list[SimProcess], decodes: list[SimProcess]) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -24,12 +23,6 @@ from tests.support.sim_process import SimFactory, SimProcess
 
 PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 def fleet(prefills: list[SimProcess], decodes: list[SimProcess]) -> list[dict[str, Any]]:

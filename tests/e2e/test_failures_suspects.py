@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -22,12 +21,6 @@ from tests.support.sim_process import SimFactory
 
 PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 async def engine(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str) -> dict[str, Any]:

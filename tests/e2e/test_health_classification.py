@@ -8,7 +8,6 @@ answer of any status is a sign of life: neither a liveness miss nor a liveness r
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -22,12 +21,6 @@ PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
 HEALTH_TIMEOUT_S = 0.4
 SWEEPS = 4
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 def _fleet(prefill: SimProcess, decode: SimProcess) -> list[dict[str, Any]]:

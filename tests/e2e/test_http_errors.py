@@ -7,7 +7,6 @@ its engines are unreachable ports (nothing here reaches an engine).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -23,12 +22,6 @@ OFFLINE = [
     {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"},
     {"id": "d0", "url": "http://127.0.0.1:7", "role": "decode"},
 ]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 @pytest.fixture

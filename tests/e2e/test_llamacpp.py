@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,6 @@ def engine(engine_id: str, server: LlamaServer, role: str, slot_dir: Path | None
     if slot_dir is not None:
         spec["slot_save_path"] = str(slot_dir)
     return spec
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def complete(http: aiohttp.ClientSession, rr: RunningRouter, **body: Any) -> Any:

@@ -9,7 +9,7 @@ inference verification (before, the streak went 0 -> 1 -> 0 and never got there)
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 from narwhal.engine.failures import FailureClass
 from tests.support.llama import LlamaBinaries, LlamaServer, llama_binaries
 from tests.support.poll import eventually
-from tests.support.router import RunningRouter, StartRouter
+from tests.support.router import StartRouter
 
 pytestmark = pytest.mark.llama
 
@@ -50,20 +50,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 server.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def _engine(engine_id: str, server: LlamaServer, role: str, slot_dir: Path) -> dict[str, Any]:
     return {"id": engine_id, "url": server.url, "role": role, "api": "llamacpp",
             "slot_save_path": str(slot_dir)}  # fmt: skip
-
-
-def _holds(rr: RunningRouter, engine_id: str) -> list[str]:
-    state = next(e for e in rr.router.engines_json() if e["id"] == engine_id)
-    return list(state["holds"])
 
 
 @pytest.mark.parametrize(("decode", "status"), [("recomputes", 200), ("refuses", 502)])
@@ -87,5 +76,5 @@ async def test_unusable_llama_handoffs_hold_the_prefill_at_eject_after(
             assert resp.status == status, await resp.text()
         if n == 1:
             assert rr.router.fleet.get("p1").evidence == {FailureClass.KV_HANDOFF: 1}
-    assert "inference_verification" in _holds(rr, "p1")
+    assert "inference_verification" in rr.holds("p1")
     assert rr.router.fleet.get("d1").evidence == {}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +74,6 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 class FailOnce:

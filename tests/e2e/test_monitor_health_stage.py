@@ -10,11 +10,9 @@ read concurrently and bounded by `engine.health_timeout_s`, the stage's duration
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
@@ -27,12 +25,6 @@ HEALTH_TIMEOUT_S = 1.0
 STAGE_BOUND_S = HEALTH_TIMEOUT_S + 0.8
 # Neither the sweeps' timeouts nor liveness may eject anyone during the test.
 QUIET_RECOVERY = {"eject_after": 1000, "liveness_misses": 1000}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 def _fleet(sims: list[SimProcess]) -> list[dict[str, Any]]:

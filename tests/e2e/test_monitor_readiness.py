@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,6 @@ from tests.support.sim_process import SimFactory, SimProcess
 PREFILL = ("--role", "prefill", "--kv-role", "kv_producer")
 DECODE = ("--role", "decode", "--kv-role", "kv_consumer")
 LIMIT = 3
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 def engines(prefill: SimProcess, decode: SimProcess) -> list[dict[str, Any]]:

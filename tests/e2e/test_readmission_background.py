@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -34,12 +33,6 @@ INTERVAL_S = 0.2
 HEALTH_TIMEOUT_S = 0.5
 PROBE_TIMEOUT_S = 6.0
 MARGIN_S = 1.0  # generous: two cores shared by many test runs
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 def gaps(monitor: dict[str, Any]) -> list[float]:

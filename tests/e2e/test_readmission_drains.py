@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +42,6 @@ from tests.e2e.test_readmission_support import (
 from tests.support.poll import eventually
 from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 async def assert_traffic_avoids(

@@ -10,7 +10,6 @@ process passes (the `readmission` monitor stage), with the hold cleared.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -31,12 +30,6 @@ from tests.e2e.test_readmission_support import (
 from tests.support.poll import eventually
 from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 @pytest.mark.slow

@@ -47,12 +47,6 @@ from tests.support.sim_process import SimFactory, SimProcess
 STAY = {"eject_after": 1000, "liveness_misses": 1000}  # operator-driven: nothing is ejected
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
 @dataclass
 class Pair:
     prefill: SimProcess

@@ -21,6 +21,11 @@ class RunningRouter:
     url: str
     task: asyncio.Task[None]
 
+    def holds(self, engine_id: str) -> list[str]:
+        """The engine's hold names, as /admin/engines lists them."""
+        state = next(e for e in self.router.engines_json() if e["id"] == engine_id)
+        return list(state["holds"])
+
     async def stop(self) -> None:
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
