@@ -159,3 +159,32 @@ def test_a_file_lease_directory_is_created_at_start(tmp_path: Path, busy_port: i
     result = serve("--config", str(config), cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert (tmp_path / "lease-dir").is_dir()
+
+
+def test_a_demo_engine_that_cannot_start_is_a_one_line_start_up_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A demo sim that exits before listening (here: a real narwhal-sim given a port it
+    refuses) ends the demo with exit status 1 and one line, and stops the sims it started."""
+    from contextlib import AsyncExitStack
+
+    from narwhal.cli import demo, serve
+
+    real_start_sim = demo.start_sim
+    started: list[str] = []
+
+    async def second_sim_fails(stack: AsyncExitStack, role: str, extra: list[str]) -> str:
+        bad = ["--port", "70000"] if started else []
+        url = await real_start_sim(stack, role, [*extra, *bad])
+        started.append(url)
+        return url
+
+    monkeypatch.setattr(demo, "start_sim", second_sim_fails)
+    assert serve._run(serve._demo("127.0.0.1:0")) == serve.EXIT_START
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["narwhal-serve: start-up failed: demo fleet: narwhal-sim (prefill) exited "
+                   "before listening"], err  # fmt: skip
+    (url,) = started
+    port = int(url.rsplit(":", 1)[1])
+    with socket.socket() as s:  # the first sim was stopped with the demo
+        assert s.connect_ex(("127.0.0.1", port)) != 0

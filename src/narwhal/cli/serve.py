@@ -136,8 +136,11 @@ async def _demo(listen: str) -> None:
     from narwhal.server import Router
 
     async with AsyncExitStack() as stack:
-        prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
-        decode = [await start_sim(stack, "decode", []) for _ in range(2)]
+        try:
+            prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
+            decode = [await start_sim(stack, "decode", []) for _ in range(2)]
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise StartupError(f"demo fleet: {exc or type(exc).__name__}") from None
         config = demo_config(prefill, decode, listen)
         await asyncio.to_thread(_make_state_dirs, config)
         router = Router(config)
