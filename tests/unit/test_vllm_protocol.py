@@ -262,6 +262,27 @@ READABLE: list[tuple[str, dict[str, Any]]] = [
     ("stop-with-handoff", _response(_handoff_params(), finish_reason="stop")),
     ("extra-fields-kept", _response(_handoff_params(something_new={"x": 1}))),
     ("no-choices", {"kv_transfer_params": _handoff_params()}),
+    # vLLM's older NixlConnector handoff has no remote_request_id (nor tp_size).
+    ("old-style-no-request-id", _response(_without("remote_request_id"))),
+    (
+        "old-style-minimal",
+        _response(
+            {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": "engine-7f3a",
+                "remote_block_ids": [3, 4],
+                "remote_host": "10.0.0.5",
+                "remote_port": 5600,
+            }
+        ),
+    ),
+    ("request-id-null", _response(_handoff_params(remote_request_id=None))),
+    # Connectors for hybrid models send one block list per KV cache group.
+    ("block-ids-nested", _response(_handoff_params(remote_block_ids=[[1, 2], [7, 8, 9]]))),
+    ("block-ids-nested-one-group", _response(_handoff_params(remote_block_ids=[[1, 2]]))),
+    ("block-ids-nested-empty-group", _response(_handoff_params(remote_block_ids=[[], [5]]))),
+    ("tp-size-4", _response(_handoff_params(tp_size=4))),
 ]
 
 
@@ -305,9 +326,16 @@ UNREADABLE: list[tuple[str, Any]] = [
     ("block-ids-strings", _response(_handoff_params(remote_block_ids=["1", "2"]))),
     ("block-ids-floats", _response(_handoff_params(remote_block_ids=[1.0, 2.0]))),
     ("block-ids-bools", _response(_handoff_params(remote_block_ids=[True, False]))),
-    ("block-ids-nested", _response(_handoff_params(remote_block_ids=[[1, 2]]))),
-    ("request-id-missing", _response(_without("remote_request_id"))),
+    ("block-ids-nested-strings", _response(_handoff_params(remote_block_ids=[["1"]]))),
+    ("block-ids-nested-bools", _response(_handoff_params(remote_block_ids=[[True]]))),
+    ("block-ids-nested-too-deep", _response(_handoff_params(remote_block_ids=[[[1]]]))),
+    ("block-ids-mixed", _response(_handoff_params(remote_block_ids=[1, [2, 3]]))),
+    ("block-ids-nested-null", _response(_handoff_params(remote_block_ids=[None]))),
     ("request-id-int", _response(_handoff_params(remote_request_id=5))),
+    ("request-id-list", _response(_handoff_params(remote_request_id=["r"]))),
+    ("tp-size-string", _response(_handoff_params(tp_size="1"))),
+    ("tp-size-bool", _response(_handoff_params(tp_size=True))),
+    ("tp-size-float", _response(_handoff_params(tp_size=1.0))),
     ("host-missing", _response(_without("remote_host"))),
     ("host-null", _response(_handoff_params(remote_host=None))),
     ("host-list", _response(_handoff_params(remote_host=["10.0.0.5"]))),
@@ -378,12 +406,16 @@ _valid_params = st.fixed_dictionaries(
     {
         "do_remote_prefill": st.just(True),
         "remote_engine_id": st.text(max_size=20),
-        "remote_block_ids": st.lists(st.integers(0, 2**31), max_size=20),
-        "remote_request_id": st.text(max_size=20),
+        "remote_block_ids": st.lists(st.integers(0, 2**31), max_size=20)
+        | st.lists(st.lists(st.integers(0, 2**31), max_size=5), max_size=4),
         "remote_host": st.text(max_size=20),
         "remote_port": st.integers(1, 65535),
     },
-    optional={"tp_size": st.integers(1, 8), "do_remote_decode": st.booleans()},
+    optional={
+        "remote_request_id": st.text(max_size=20),
+        "tp_size": st.integers(1, 8),
+        "do_remote_decode": st.booleans(),
+    },
 )
 
 
@@ -398,7 +430,14 @@ def test_any_well_typed_handoff_is_readable(params: dict[str, Any], finish: str)
 @given(
     _valid_params,
     st.sampled_from(
-        ["remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host", "remote_port"]
+        [
+            "remote_engine_id",
+            "remote_block_ids",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+            "tp_size",
+        ]
     ),
     _json_leaf | st.lists(st.text(max_size=3), min_size=1, max_size=2),
 )
@@ -411,12 +450,18 @@ def test_any_mistyped_required_field_is_unreadable(
         "remote_request_id": str,
         "remote_host": str,
         "remote_port": int,
+        "tp_size": int,
     }[field]
     well_typed = isinstance(value, expected_type) and not isinstance(value, bool)
+    if field in ("remote_request_id", "tp_size") and value is None:
+        well_typed = True  # optional fields: null is the same as absent
     if field == "remote_port" and well_typed:
         well_typed = 0 < value < 65536
     if field == "remote_block_ids" and well_typed:
-        well_typed = all(isinstance(b, int) and not isinstance(b, bool) for b in value)
+        well_typed = all(isinstance(b, int) and not isinstance(b, bool) for b in value) or all(
+            isinstance(g, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in g)
+            for g in value
+        )
     params = {**params, field: value}
     result = extract_handoff(_response(params))
     assert isinstance(result, Handoff) == well_typed

@@ -36,14 +36,31 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-# Required handoff fields and the JSON types each must have (bool is not an int here).
+# What a decode needs to find the blocks, and the JSON type of each (bool is not an int here).
+# `remote_request_id` (absent from vLLM's older NixlConnector handoff) and `tp_size` are only
+# type-checked when present; everything else passes through to the decode unchanged.
 _HANDOFF_FIELDS: dict[str, tuple[type, ...]] = {
     "remote_engine_id": (str,),
     "remote_block_ids": (list,),
-    "remote_request_id": (str,),
     "remote_host": (str,),
     "remote_port": (int,),
 }
+_OPTIONAL_HANDOFF_FIELDS: dict[str, tuple[type, ...]] = {
+    "remote_request_id": (str,),
+    "tp_size": (int,),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _block_ids_readable(block_ids: list[Any]) -> bool:
+    """A flat list of ints, or a list of lists of ints (one per KV cache group, as
+    connectors for hybrid models send)."""
+    if all(_is_int(b) for b in block_ids):
+        return True
+    return all(isinstance(g, list) and all(_is_int(b) for b in g) for g in block_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +113,14 @@ def extract_handoff(response: Any) -> HandoffResult:
         value = params[name]
         if not isinstance(value, types) or isinstance(value, bool):
             return Unreadable(f"kv_transfer_params.{name} has the wrong type")
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in params["remote_block_ids"]):
-        return Unreadable("kv_transfer_params.remote_block_ids must be a list of integers")
+    for name, types in _OPTIONAL_HANDOFF_FIELDS.items():
+        value = params.get(name)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            return Unreadable(f"kv_transfer_params.{name} has the wrong type")
+    if not _block_ids_readable(params["remote_block_ids"]):
+        return Unreadable(
+            "kv_transfer_params.remote_block_ids must be a list of integers or of integer lists"
+        )
     if not 0 < params["remote_port"] < 65536:
         return Unreadable("kv_transfer_params.remote_port out of range")
     return Handoff(dict(params))
