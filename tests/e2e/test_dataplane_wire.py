@@ -272,3 +272,15 @@ async def test_engine_api_key_is_sent_as_bearer(
     await _post(http, rr, "/v1/completions", body, {"Authorization": "Bearer client-secret"})
     assert _header(_only(clean.prefill, "prefill"), "Authorization") == "Bearer key-prefill"
     assert _header(_only(clean.decode, "decode"), "Authorization") == "Bearer key-decode"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_both_legs_ask_for_an_uncompressed_answer(
+    rr: RunningRouter, clean: Sims, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """The router relays the decode's bytes as they are and parses the prefill's handoff from
+    its raw body: neither engine may be invited to compress (aiohttp offers gzip by default)."""
+    body = {"model": MODEL, "prompt": "plain bytes please", "max_tokens": 3, "stream": stream}
+    await _post(http, rr, "/v1/completions", body, {"Accept-Encoding": "gzip, br"})
+    assert _header(_only(clean.prefill, "prefill"), "Accept-Encoding") == "identity"
+    assert _header(_only(clean.decode, "decode"), "Accept-Encoding") == "identity"

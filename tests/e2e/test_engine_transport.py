@@ -13,7 +13,13 @@ import pytest
 from aiohttp import web
 
 from narwhal.engine.failures import EngineFailure, FailureClass
-from narwhal.engine.transport import ControlPoolBusy, EngineClient, PoolKind
+from narwhal.engine.transport import (
+    ControlPoolBusy,
+    EngineClient,
+    PoolKind,
+    control_get,
+    engine_headers,
+)
 from tests.support.poll import eventually
 
 
@@ -54,6 +60,63 @@ async def test_an_engines_cookie_never_rides_on_later_requests(
     # Requests from unrelated clients share the router's sessions: a cookie one engine answer
     # set must not be sent with the next request.
     assert seen == [None, None, None]
+
+
+@pytest.fixture
+async def compressing_engine() -> AsyncIterator[tuple[str, list[str | None]]]:
+    """An engine that compresses every answer the client accepts compressed (as a proxy in
+    front of vLLM may) and records the Accept-Encoding header it gets."""
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Accept-Encoding"))
+        response = web.Response(body=b'{"kv_transfer_params": {"remote_port": 5600}}' * 40)
+        response.enable_compression()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    app.router.add_get("/metrics", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    await runner.cleanup()
+
+
+@dataclass(frozen=True)
+class _KeyedEngine:
+    url: str
+
+    def resolved_api_key(self) -> str | None:
+        return "k"
+
+
+async def test_every_engine_request_asks_for_an_uncompressed_answer(
+    compressing_engine: tuple[str, list[str | None]],
+) -> None:
+    """The router relays raw bytes (SSE) and parses handoffs from them: engines must never be
+    invited to compress, on either pool, for POSTs or GETs."""
+    url, seen = compressing_engine
+    expected = b'{"kv_transfer_params": {"remote_port": 5600}}' * 40
+    client = EngineClient(4, 4)
+    await client.start()
+    try:
+        replies = [
+            await client.post(PoolKind.DATA, url + "/v1/completions", b"{}", {}, 5.0),
+            await client.post(PoolKind.CONTROL, url + "/v1/completions", b"{}", {}, 5.0),
+            await client.get(PoolKind.DATA, url + "/metrics", 5.0),
+            await client.get(PoolKind.CONTROL, url + "/metrics", 5.0),
+            await control_get(client, _KeyedEngine(url), "/metrics", 5.0),
+            await client.post(
+                PoolKind.DATA, url + "/v1/completions", b"{}", engine_headers("k", "r-1"), 5.0
+            ),
+        ]
+    finally:
+        await client.close()
+    assert seen == ["identity"] * len(replies)
+    assert [r.body for r in replies] == [expected] * len(replies)
 
 
 # ------------------------------------------------------------------ the pools' socket bounds

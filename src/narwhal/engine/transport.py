@@ -137,6 +137,9 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=None),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
+                # The router relays engine bytes as they are (SSE) and parses handoffs: a
+                # compressed answer would break both, so engines are asked not to compress.
+                headers={"Accept-Encoding": "identity"},
                 cookie_jar=aiohttp.DummyCookieJar(),  # engines' cookies are never sent back
             )
 
