@@ -283,8 +283,7 @@ class Router:
         elif result.answer is Answer.BUSY:  # never asked: the streak stands, nothing confirmed
             log.warning("engine %s: suspect probe not run: %s", engine_id, result.failure)
         else:
-            detail = result.failure.detail if result.failure else "no answer"
-            self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {detail}", now)
+            self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {result.detail}", now)
 
     # ------------------------------------------------------------------ operator actions
     def operator_drain(self, engine_id: str, reason: str | None = None) -> None:

@@ -2,8 +2,9 @@
 
 Health: `GET /health` on every engine not ejected, concurrently, over the control pool with
 `engine.health_timeout_s`; outcomes feed the evidence recorder. Liveness keeps its own
-per-engine miss counter: a sweep with no response at all is a miss, any successful health
-response resets it, and `recovery.liveness_misses` silent sweeps eject the engine.
+per-engine miss counter: a sweep with no response at all is a miss, a sweep in which the engine
+answered (any status, so every successful health response) resets it, and
+`recovery.liveness_misses` consecutive silent sweeps eject the engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
-from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind, classify_status
+from narwhal.engine.failures import EngineFailure, SuccessKind, classify_status
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import ControlPoolBusy, EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
@@ -37,8 +38,20 @@ class Answer(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class HealthResult:
+    """`failure` is the evidence to record (or why a BUSY engine was not asked); an ERROR
+    without one is a 4xx other than 408/429, which clears what a client 4xx clears."""
+
     answer: Answer
     failure: EngineFailure | None = None
+    status: int | None = None
+
+    @property
+    def detail(self) -> str:
+        if self.failure is not None:
+            return self.failure.detail
+        if self.status is not None:
+            return f"health answered HTTP {self.status}"
+        return "health 200" if self.answer is Answer.OK else "no answer"
 
 
 async def check_health(
@@ -50,15 +63,18 @@ async def check_health(
     except ControlPoolBusy as exc:
         return HealthResult(Answer.BUSY, exc)
     except EngineFailure as exc:
-        adapters(engine.config).observe_health(engine.id, False)
+        adapters.observe_health(engine.config, False)
         return HealthResult(Answer.SILENT, exc)
     if reply.status == 200:
-        adapters(engine.config).observe_health(engine.id, True)
-        return HealthResult(Answer.OK)
-    cls = classify_status(reply.status) or FailureClass.INFERENCE_STATUS
+        adapters.observe_health(engine.config, True)
+        return HealthResult(Answer.OK, status=200)
+    cls = classify_status(reply.status)
+    if cls is None:  # spec: a 4xx other than 408/429 is not failure evidence, nor "Health 200"
+        return HealthResult(Answer.ERROR, status=reply.status)
     return HealthResult(
         Answer.ERROR,
         EngineFailure(cls, f"health answered HTTP {reply.status}", status=reply.status),
+        status=reply.status,
     )
 
 
@@ -113,8 +129,10 @@ class HealthStages:
             elif result.answer is Answer.BUSY:
                 log.warning("engine %s: health check skipped: %s", engine.id, result.failure)
             elif engine.ejected is None:
-                assert result.failure is not None
-                self._evidence.failure(engine.id, result.failure, "health")
+                if result.failure is None:  # a 4xx other than 408/429: clears, not healthy
+                    self._evidence.success(engine.id, SuccessKind.CLIENT_4XX, "health")
+                else:
+                    self._evidence.failure(engine.id, result.failure, "health")
 
     async def _check(self, engine: EngineState, timeout_s: float, deadline: float) -> HealthResult:
         result = await check_health(self._client, self._adapters, engine, timeout_s)
@@ -151,6 +169,7 @@ class HealthStages:
             engine.max_model_len = limit
 
     async def liveness(self, now: float) -> None:
+        """Count consecutive silent sweeps; any answer (even a 503) ends the run of silence."""
         results = self._last
         if results is None:
             return  # the health stage itself failed: no sweep happened, nothing to count
@@ -165,6 +184,7 @@ class HealthStages:
                     self._lifecycle.eject(
                         engine, "liveness", f"{engine.liveness_misses} silent health sweeps", now
                     )
-            elif result.answer is Answer.OK:
-                engine.liveness_misses = 0
+            elif result.answer in (Answer.OK, Answer.ERROR):
+                engine.liveness_misses = 0  # it answered: the sweep was not silent
+            # BUSY: the engine was not asked, so the sweep says nothing either way
             self._metrics.liveness_misses.labels(engine_id).set(engine.liveness_misses)

@@ -211,8 +211,7 @@ class Readmission:
         )
         if result.answer is Answer.OK:
             return True, "health 200"
-        assert result.failure is not None
-        return False, result.failure.detail
+        return False, result.detail
 
     async def _attestation(self, engine: EngineState) -> tuple[bool, str]:
         result = await attest(self._cfg.attestation, engine.config)
