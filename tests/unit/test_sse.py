@@ -228,3 +228,50 @@ def test_valid_stream_with_other_line_endings_split_anywhere_is_done(
     assert scanner.done
     assert not scanner.malformed
     assert scanner.events == stream.count(b"data: {")
+
+
+# ------------------------------------------------------------ [DONE] line at EOF, no blank line
+@pytest.mark.parametrize(
+    ("tail", "ending"),
+    [
+        (b"data: [DONE]\n", b"\n"),
+        (b"data: [DONE]\r\n", b"\n"),
+        (b"data: [DONE]", b"\n\n"),
+        (b"data:[DONE]\n", b"\n"),
+        (b"\ndata: [DONE] \n", b"\n"),
+    ],
+)
+def test_a_done_line_left_at_eof_ends_the_stream(tail: bytes, ending: bytes) -> None:
+    scanner = _scan(_event(0), tail)
+    assert not scanner.done  # not dispatched yet: the blank line is missing
+    assert scanner.end() == ending
+    assert scanner.done and not scanner.malformed and scanner.events == 1
+    # The bytes returned complete the event: a fresh scan of everything finds [DONE].
+    assert _scan(_event(0), tail, ending).done
+
+
+def test_a_done_line_split_across_chunks_at_eof_ends_the_stream() -> None:
+    scanner = _scan(_event(0), b"data: [DO", b"NE]\r", b"\n")
+    assert scanner.end() == b"\n" and scanner.done
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b"",
+        b"data: [DONE]x\n",
+        b"data: [DON",
+        b"data: {}\ndata: [DONE]\n",
+        b'data: {"id": "x"}\n',
+        b"event: done\n",
+    ],
+)
+def test_anything_else_left_at_eof_is_not_done(tail: bytes) -> None:
+    scanner = _scan(_event(0), tail)
+    assert scanner.end() == b""
+    assert not scanner.done
+
+
+def test_end_after_done_adds_nothing() -> None:
+    scanner = _scan(_event(0), DONE)
+    assert scanner.done and scanner.end() == b""

@@ -279,6 +279,8 @@ class InferenceProber:
                     scanner.feed(chunk)
                     if scanner.done:
                         break  # the answer is complete, whether or not the engine hangs up
+                else:
+                    scanner.end()  # a final `data: [DONE]` line without its blank line
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise classify_exception(exc, FailureClass.STREAM) from None
         if scanner.malformed or not scanner.done:

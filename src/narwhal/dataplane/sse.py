@@ -7,6 +7,9 @@ lines (`:`), and the standard `id:`, `event:` and `retry:` fields (ignored). A f
 does not define is malformed. An event whose data starts `{"error"` is an engine reporting an
 error in band (vLLM does so mid-generation, then sends `[DONE]`): `error` keeps the first one.
 
+At the end of the body, `end()` accepts a leftover that is exactly a `data: [DONE]` line: some
+engines end with `data: [DONE]\n` and EOF, without the blank line that dispatches the event.
+
 The common event (`data: {...}` on one line) is recognised with two prefix/suffix checks; only
 other shapes take the line-by-line path.
 """
@@ -55,6 +58,19 @@ class SseScanner:
                 self.done = True
             elif event:
                 self._slow(event)
+
+    def end(self) -> bytes:
+        """At the body's end: when the leftover is exactly a `data: [DONE]` line (the blank line
+        that dispatches it missing), mark the stream done and return the bytes that complete the
+        event for the client; otherwise b"" (the stream ended without `[DONE]`)."""
+        if self.done or self.malformed:
+            return b""
+        if self._tail.strip() not in (b"data: [DONE]", b"data:[DONE]"):
+            return b""
+        self.done = True
+        ending = b"\n" if self._tail.endswith(b"\n") else b"\n\n"
+        self._tail = b""
+        return ending
 
     def _slow(self, event: bytes) -> None:
         """Any other event shape, field by field as the SSE format defines them."""
