@@ -129,6 +129,7 @@ class LingeringEngine:
 
     def __init__(self) -> None:
         self.drop = False  # instead: drop the connection after the first event, no [DONE]
+        self.bare_done = False  # instead: end with `data: [DONE]\n` and EOF (no blank line)
         self.hung_up = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -141,6 +142,10 @@ class LingeringEngine:
         if self.drop:
             assert request.transport is not None
             request.transport.abort()  # the connection drops mid-stream (a crash, a reset)
+            return resp
+        if self.bare_done:
+            await resp.write(b"data: [DONE]\n")
+            await resp.write_eof()
             return resp
         await resp.write(DONE)
         try:
@@ -259,3 +264,98 @@ async def test_a_successful_non_streamed_decode_clears_stream_evidence(
     async with http.post(rr.url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
     assert rr.router.fleet.get("d0").evidence == {}
+
+
+async def test_a_done_line_without_its_blank_line_at_eof_ends_the_stream(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession,
+    lingering: LingeringEngine,
+) -> None:  # fmt: skip
+    """`data: [DONE]\n` then the body's end is a completed stream: no `stream` failure, no
+    error event; the client gets the missing blank line so its SSE parser dispatches `[DONE]`."""
+    (p0,) = sim_factory.start_many([PREFILL])
+    lingering.bare_done = True
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": lingering.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+    )  # fmt: skip
+
+    status, raw = await _stream(http, rr)
+
+    assert status == 200
+    assert raw.endswith(DONE), raw
+    assert b'"error"' not in raw, raw
+    assert rr.router.fleet.get("d0").evidence == {}
+    assert await _metric(http, rr, "narwhal_engine_failures_total") == 0
+    assert (
+        await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", outcome="decode_done")
+        == 1
+    )
+    assert await _metric(http, rr, "narwhal_requests_total", outcome="ok") == 1
+
+
+# ------------------------------------------------------------ a client that leaves after [DONE]
+async def _read_to_done_and_close(rr: RunningRouter) -> None:
+    """A raw client: send a streamed completion, read until `data: [DONE]`, close at once (as
+    the openai client does), without waiting for the end of the chunked body."""
+    host, port = rr.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = b'{"model": "demo-model", "prompt": "leave early", "max_tokens": 4, "stream": true}'
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    seen = b""
+    async with asyncio.timeout(10):
+        while b"data: [DONE]" not in seen:
+            chunk = await reader.read(65536)
+            assert chunk, seen
+            seen += chunk
+    writer.transport.abort()
+
+
+async def test_a_client_that_closes_right_after_done_is_counted_ok(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession,
+    lingering: LingeringEngine,
+) -> None:  # fmt: skip
+    """Once `[DONE]` has reached the client the request is `ok` and the decode a success,
+    whatever the client does next. The engine here holds its body open after `[DONE]`, so the
+    router is still finishing when every one of these clients closes."""
+    (p0,) = sim_factory.start_many([PREFILL])
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": lingering.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+    )  # fmt: skip
+    n = 8
+    for _ in range(n):
+        await _read_to_done_and_close(rr)
+
+    async def counted() -> bool:
+        return await _metric(http, rr, "narwhal_requests_total") == n
+
+    await eventually(counted, timeout_s=10, what="every request counted")
+    assert await _metric(http, rr, "narwhal_requests_total", outcome="ok") == n
+    assert await _metric(http, rr, "narwhal_requests_total", outcome="client_disconnect") == 0
+    assert (
+        await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", outcome="decode_done")
+        == n
+    )
+    assert rr.router.fleet.get("d0").evidence == {}
+
+
+async def test_an_inference_probe_accepts_a_done_line_without_its_blank_line(
+    sim_factory: SimFactory, start_router: StartRouter, lingering: LingeringEngine,
+) -> None:  # fmt: skip
+    """The probe's streamed leg ends the same way as the data plane's: `data: [DONE]\\n` then
+    EOF is the terminal marker, not a `stream` failure."""
+    (p0,) = sim_factory.start_many([PREFILL])
+    lingering.bare_done = True
+    rr = await start_router(
+        [{"id": "p0", "url": p0.url, "role": "prefill"},
+         {"id": "d0", "url": lingering.url, "role": "decode"}],
+        controller=NO_SWEEPS, recovery={"eject_after": 100},
+    )  # fmt: skip
+    body = {"model": MODEL, "prompt": "probe", "max_tokens": 1, "stream": True}
+    last = await rr.router.prober.decode_leg(rr.router.fleet.get("d0"), body)
+    assert last is not None and last.startswith(b'data: {"id": "x"'), last

@@ -58,6 +58,9 @@ _CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 # How long to wait, after [DONE], for the end of the engine's body so its connection can be
 # reused. The client's response is already complete; past this the connection is closed.
 _EOF_AFTER_DONE_S = 0.1
+# Request key: the outcome of a stream whose `[DONE]` has reached the client. Whatever happens
+# to the client afterwards (it may close at once, cancelling the handler) does not change it.
+_SETTLED_OUTCOME = web.RequestKey("narwhal_settled_outcome", str)
 
 
 class NoCapacity(Exception):
@@ -140,7 +143,8 @@ class DataPlane:
             outcome = getattr(response, "_narwhal_outcome", "ok")
             return response
         except asyncio.CancelledError:
-            outcome = "client_disconnect"
+            # A client that leaves after its stream's `[DONE]` was served: the outcome stands.
+            outcome = request.get(_SETTLED_OUTCOME, "client_disconnect")
             raise
         finally:
             elapsed = self._clock.monotonic() - start
@@ -545,9 +549,14 @@ class DataPlane:
                         watch.reading()
                         chunk = await resp.content.readany()
                         watch.writing()
-                        if not chunk:
-                            break
-                        scanner.feed(chunk)
+                        if chunk:
+                            scanner.feed(chunk)
+                        else:
+                            # A final `data: [DONE]` line without its blank line is done:
+                            # the client gets the bytes that complete the event.
+                            chunk = scanner.end()
+                            if not chunk:
+                                break
                         if scanner.malformed:
                             raise self._fail(
                                 engine,
@@ -618,6 +627,7 @@ class DataPlane:
         else:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
             self._check_recompute(attempt, producer, engine, scanner.last)
+        request[_SETTLED_OUTCOME] = outcome
         try:
             if not await _finish(request, client, b"", request_deadline):
                 outcome = "deadline"
