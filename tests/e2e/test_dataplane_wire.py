@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -284,3 +285,87 @@ async def test_both_legs_ask_for_an_uncompressed_answer(
     await _post(http, rr, "/v1/completions", body, {"Accept-Encoding": "gzip, br"})
     assert _header(_only(clean.prefill, "prefill"), "Accept-Encoding") == "identity"
     assert _header(_only(clean.decode, "decode"), "Accept-Encoding") == "identity"
+
+
+# ------------------------------------------------- handoffs from other NixlConnector versions
+OLD_STYLE_HANDOFF: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "old-prefill",
+    "remote_block_ids": [4, 5, 6],
+    "remote_host": "10.1.2.3",
+    "remote_port": 5601,
+}
+HANDOFF_VARIANTS = [
+    pytest.param(OLD_STYLE_HANDOFF, id="old-style-no-request-id"),
+    pytest.param({**OLD_STYLE_HANDOFF, "remote_block_ids": [[4, 5], [9, 10, 11]],
+                  "remote_request_id": "p-1", "tp_size": 2}, id="hybrid-nested-block-ids"),
+    pytest.param({**OLD_STYLE_HANDOFF, "remote_block_ids": [[4]], "future_field": {"a": [1]}},
+                 id="unknown-fields-kept"),
+]  # fmt: skip
+
+
+class NixlEngine:
+    """A fake vLLM engine: as prefill it answers with `handoff`; as decode it records the
+    `kv_transfer_params` it is given and answers a plain completion."""
+
+    def __init__(self, handoff: dict[str, Any]) -> None:
+        self.handoff = handoff
+        self.decoded: list[Any] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        kv = body.get("kv_transfer_params") or {}
+        answer: dict[str, Any] = {
+            "id": "cmpl-x",
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " whale", "finish_reason": "length"}],
+        }
+        if kv.get("do_remote_decode") is True:
+            answer["kv_transfer_params"] = self.handoff
+        else:
+            self.decoded.append(kv)
+        return web.json_response(answer)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", _health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@pytest.mark.parametrize("handoff", HANDOFF_VARIANTS)
+async def test_other_connector_handoffs_reach_the_decode_unchanged(
+    start_router: StartRouter, http: aiohttp.ClientSession, handoff: dict[str, Any]
+) -> None:
+    """A healthy prefill speaking an older or hybrid-model NixlConnector dialect is not a
+    `kv_handoff` failure: its handoff goes to the decode exactly as it came (docs/engines.md)."""
+    prefill, decode = NixlEngine(handoff), NixlEngine({})
+    await prefill.start()
+    await decode.start()
+    try:
+        rr = await start_router(
+            [{"id": "p0", "url": prefill.url, "role": "prefill"},
+             {"id": "d0", "url": decode.url, "role": "decode"}],
+            controller={"monitor_interval_s": 30.0},
+        )  # fmt: skip
+        body = {"model": MODEL, "prompt": "name a whale", "max_tokens": 2}
+        answer = json.loads(await _post(http, rr, "/v1/completions", body))
+        assert answer["choices"][0]["text"] == " whale"
+        assert decode.decoded == [handoff]
+        assert rr.router.fleet.get("p0").evidence == {}
+    finally:
+        for engine in (prefill, decode):
+            if engine.runner is not None:
+                await engine.runner.cleanup()
