@@ -245,6 +245,41 @@ async def test_url_and_token_from_the_environment(setup: Setup) -> None:
     assert result.code == 1 and "401" in result.err
 
 
+async def test_url_and_token_may_follow_the_subcommand(setup: Setup) -> None:
+    """`narwhal drain p1 --url U --token T` works as well as `narwhal --url U --token T drain
+    p1`, for every subcommand."""
+    flags = ("--url", setup.rr.url, "--token", TOKEN)
+    status = await narwhal("status", *flags)
+    assert status.code == 0, status
+    assert list(table(status.out)) == ["p0", "p1", "d0"]
+    drain = await narwhal("drain", "p1", *flags)
+    assert (drain.code, drain.out) == (0, "p1: operator_drain\n"), drain
+    assert hold_names(await setup.admin.engine("p1")) == ["operator_drain"]
+    inspect = await narwhal("handoff", "inspect", *flags)
+    assert inspect.code == 0, inspect
+    assert inspect.out.startswith(f"path {setup.rr.router.handoff.path}  sequence "), inspect
+    # Between `handoff` and `inspect` too.
+    between = await narwhal("handoff", "--url", setup.rr.url, "--token", TOKEN, "inspect")
+    assert between.code == 0, between
+
+
+async def test_flags_after_the_subcommand_combine_with_the_top_level_and_environment(
+    setup: Setup,
+) -> None:
+    """Absent after the subcommand, the top-level flag or the environment still applies;
+    present in both places, the one after the subcommand wins."""
+    env = {"NARWHAL_URL": setup.rr.url, "NARWHAL_ADMIN_TOKEN": "wrong"}
+    from_env = await narwhal("status", "--token", TOKEN, env=env)  # URL from the environment
+    assert from_env.code == 0, from_env
+    from_top = await narwhal("--url", setup.rr.url, "status", "--token", TOKEN)
+    assert from_top.code == 0, from_top
+    dead = f"http://127.0.0.1:{free_port()}"
+    later_wins = await narwhal("--url", dead, "lease", "--url", setup.rr.url, "--token", TOKEN)
+    assert later_wins.code == 0, later_wins
+    wrong_after = await narwhal("status", "--token", "wrong", env={"NARWHAL_URL": setup.rr.url})
+    assert wrong_after.code == 1 and "401" in wrong_after.err, wrong_after
+
+
 async def test_lease_prints_the_lease_view(setup: Setup) -> None:
     result = await narwhal(*setup.args("lease"))
     assert result.code == 0, result

@@ -87,28 +87,50 @@ def _table(engines: list[dict[str, Any]]) -> str:
     )
 
 
+URL_HELP = "the router's base URL (default: $NARWHAL_URL, else http://127.0.0.1:8080)"
+TOKEN_HELP = "the admin bearer token (default: $NARWHAL_ADMIN_TOKEN)"
+
+
+def _connection_flags() -> argparse.ArgumentParser:
+    """`--url`/`--token` again on every subcommand, so they may follow it too
+    (`narwhal drain p1 --url ...`). SUPPRESS: absent there, the top-level value (flag, else
+    environment) stands; given in both places, the later one wins."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--url", default=argparse.SUPPRESS, help=URL_HELP)
+    flags.add_argument("--token", default=argparse.SUPPRESS, help=TOKEN_HELP)
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="narwhal", description=__doc__)
-    p.add_argument("--url", default=os.environ.get("NARWHAL_URL", "http://127.0.0.1:8080"))
-    p.add_argument("--token", default=os.environ.get("NARWHAL_ADMIN_TOKEN"))
+    p.add_argument(
+        "--url",
+        default=os.environ.get("NARWHAL_URL", "http://127.0.0.1:8080"),
+        help=URL_HELP,
+    )
+    p.add_argument("--token", default=os.environ.get("NARWHAL_ADMIN_TOKEN"), help=TOKEN_HELP)
+    common = [_connection_flags()]
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="engines, monitor and lease at a glance")
-    engines = sub.add_parser("engines", help="the engines as the router sees them")
+    sub.add_parser("status", parents=common, help="engines, monitor and lease at a glance")
+    engines = sub.add_parser("engines", parents=common, help="the engines as the router sees them")
     engines.add_argument("--json", action="store_true")
     for name in ("drain", "maintenance", "readmit"):
-        sub.add_parser(name, help=f"{name} an engine").add_argument("engine_id")
-    handoff = sub.add_parser("handoff", help="inspect or validate a handoff file")
+        sub.add_parser(name, parents=common, help=f"{name} an engine").add_argument("engine_id")
+    handoff = sub.add_parser("handoff", parents=common, help="inspect or validate a handoff file")
     hsub = handoff.add_subparsers(dest="handoff_command", required=True)
     inspect = hsub.add_parser(
         "inspect",
         aliases=["show"],
+        parents=common,
         help="print a handoff readably: FILE, or the router's latest over the admin API",
     )
     inspect.add_argument("file", nargs="?")
-    validate = hsub.add_parser("validate", help="check a handoff against the schema and config")
+    validate = hsub.add_parser(
+        "validate", parents=common, help="check a handoff against the schema and config"
+    )
     validate.add_argument("file")
     validate.add_argument("--config", required=True, help="the router's YAML configuration")
-    sub.add_parser("lease", help="the lease as the router sees it")
+    sub.add_parser("lease", parents=common, help="the lease as the router sees it")
     args = p.parse_args(argv)
     if args.command == "handoff" and args.handoff_command == "show":
         args.handoff_command = "inspect"
