@@ -230,12 +230,13 @@ class EngineFront:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    async def start(self) -> EngineFront:
+    async def start(self, port: int = 0) -> EngineFront:
+        """Listen on `port` (0: any free one); again after `close`, to look like a restart."""
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
+        site = web.TCPSite(self._runner, "127.0.0.1", port, ssl_context=self.ssl_context)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{port}"

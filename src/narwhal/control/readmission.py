@@ -25,6 +25,7 @@ from narwhal.control.probes import Inconclusive, InferenceProber, Spawn
 from narwhal.engine.adapter import HandoffRefused
 from narwhal.engine.failures import EngineFailure
 from narwhal.engine.registry import Adapters
+from narwhal.engine.resumptions import restarted_since
 from narwhal.engine.transport import EngineClient, control_get
 from narwhal.telemetry.metrics import Metrics
 
@@ -36,7 +37,7 @@ class StepResult:
     step: str
     ok: bool
     reason: str
-    status: str = ""  # passed | failed | not_configured
+    status: str = ""  # passed | failed | not_configured | unknown
 
     def to_json(self) -> dict[str, Any]:
         status = self.status or ("passed" if self.ok else "failed")
@@ -51,6 +52,18 @@ STEPS = (
     "kv_transfer",
     "final_health",
 )
+
+
+GENERATION_UNKNOWN = "generation unknown (engine exports no process_start_time_seconds)"
+
+
+def _status(step: str, reason: str) -> str:
+    """A step that passed without verifying says so: `not_configured` or `unknown`."""
+    if step == "attestation" and reason == "attestation not configured":
+        return "not_configured"
+    if step == "generation_identity" and reason.startswith(GENERATION_UNKNOWN):
+        return "unknown"
+    return ""
 
 
 MAX_DOUBLINGS = 60
@@ -191,8 +204,7 @@ class Readmission:
         )
         for name, step in zip(STEPS, checks, strict=True):
             ok, reason = await step(engine)
-            not_configured = name == "attestation" and reason == "attestation not configured"
-            results.append(StepResult(name, ok, reason, "not_configured" if not_configured else ""))
+            results.append(StepResult(name, ok, reason, _status(name, reason)))
             result = "ok" if ok else "failed"
             self._metrics.probes.labels(engine.id, f"readmission:{name}", result).inc()
             if not ok:
@@ -263,7 +275,7 @@ class Readmission:
     async def _generation(self, engine: EngineState) -> tuple[bool, str]:
         generation, why = await self._adapters(engine.config).generation(engine.config)
         if generation is None:
-            return False, why
+            return self._unknown_generation(engine, why)
         if engine.generation is not None and generation < engine.generation:
             return False, f"generation {generation} is older than last seen {engine.generation}"
         maintenance = engine.holds.get(HoldName.PLANNED_MAINTENANCE)
@@ -275,3 +287,24 @@ class Readmission:
                 return False, f"planned maintenance needs a process newer than {before}"
         engine.generation = generation
         return True, f"generation {generation}"
+
+    def _unknown_generation(self, engine: EngineState, why: str) -> tuple[bool, str]:
+        """An engine that never exported a generation passes unverified (status `unknown`);
+        one that did and no longer does fails (something changed). Planned maintenance on it
+        ends once the engine went silent on `/health` after the request and answered again."""
+        if engine.generation is not None:
+            return False, f"{why} (generation {engine.generation} was seen before)"
+        maintenance = engine.holds.get(HoldName.PLANNED_MAINTENANCE)
+        if maintenance is None:
+            return True, GENERATION_UNKNOWN
+        resumption = self._adapters.resumptions.last(engine.id)
+        if not restarted_since(resumption, maintenance.since_wall):
+            return False, (
+                "planned maintenance needs a restart: generation unknown, and the engine has "
+                "not gone silent on /health and answered again since the request"
+            )
+        assert resumption is not None
+        return True, (
+            f"{GENERATION_UNKNOWN}; restarted: silent on /health from {resumption.silent_wall:.3f},"
+            f" answering again at {resumption.answered_wall:.3f}"
+        )
