@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -301,3 +302,41 @@ async def test_prompt_that_fits_only_by_count_is_served(
         if s.name == "narwhal_token_checks_total"
     }
     assert results.get("counted") == 1 and results.get("cached") == 1
+
+
+async def test_token_counting_uses_the_data_pool_not_the_control_pool(
+    sims: Sims, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Spec: "Prefill, decode, and token counting use the data connection pool". With the only
+    control connection held, a prompt that needs a real /tokenize count is still counted and
+    served at once (on the control pool it would wait out the first-token timeout)."""
+    first_token_timeout_s = 8.0
+    rr = await start_router(
+        [{"id": "p0", "url": sims.prefill.url, "role": "prefill"},
+         {"id": "d0", "url": sims.decode.url, "role": "decode"}],
+        engine={"control_connections": 1},
+        serving={"first_token_timeout_s": first_token_timeout_s},
+        recovery={"eject_after": 100},
+    )  # fmt: skip
+    await _learned_limit(rr)
+    prompt = _words(40)
+    assert len(prompt.encode()) > MAX_MODEL_LEN  # so the bound does not suffice: it is counted
+    client = rr.router.client
+    async with client.control_slot(first_token_timeout_s):
+        assert client.control_in_use == 1
+        started = time.monotonic()
+        async with http.post(
+            rr.url + C, json={"model": MODEL, "prompt": prompt, "max_tokens": 4}
+        ) as resp:
+            answer = await resp.json()
+        elapsed = time.monotonic() - started
+        assert resp.status == 200, answer
+        assert client.control_in_use == 1  # still ours: nothing else got a control connection
+    assert elapsed < first_token_timeout_s / 2, elapsed
+    assert [r["leg"] for r in sims.decode.requests()] == ["decode"]
+    results = {
+        s.labels["result"]: s.value
+        for s in await _samples(http, rr)
+        if s.name == "narwhal_token_checks_total"
+    }
+    assert results.get("counted") == 1, results
