@@ -1,9 +1,11 @@
 """The handoff from the command line, run as real subprocesses.
 
-`narwhal handoff show FILE` (an alias of `inspect`) and `narwhal handoff validate FILE --config CFG`
-(`python -m narwhal.cli.operator`), offline: no router needed. `validate` applies the resume
-rules (spec "Resume validation"): exit 0 and `valid: ...` for a document `--resume` would
-apply; exit 1 and `invalid: <reason>` otherwise; exit 2 for a bad configuration.
+`narwhal handoff show FILE` (an alias of `inspect`) and `narwhal handoff validate FILE
+[--config CFG]` (`python -m narwhal.cli.operator`), offline: no router needed. `validate`
+applies the resume rules (spec "Resume validation"): exit 0 and `valid: ...` for a document
+`--resume` would apply; exit 1 and `invalid: <reason>` otherwise; exit 2 for a bad
+configuration. Without `--config` only the document itself is checked, and a `note:` line says
+the engine set was not.
 
 `narwhal-serve --config CFG --resume` (`python -m narwhal.cli.serve`) in front of real
 `narwhal-sim` processes: applies a matching handoff, refuses a tampered one and serves, and
@@ -183,16 +185,27 @@ def test_validate_refuses_a_handoff_for_another_engine_set(
     assert (out.returncode, out.stdout) == (1, f"invalid: {reason}\n")
 
 
-def _from_the_future(raw: bytes) -> bytes:
-    """Resealed with a written_at far ahead of any real clock: an impossible value."""
+def _resealed(raw: bytes, change: Any) -> bytes:
+    """`change` applied to the parsed document, then a fresh checksum: damage only the
+    impossible-value checks can see."""
     doc = orjson.loads(raw)
-    doc["written_at"] = 4_000_000_000.0
+    change(doc)
     body = {k: v for k, v in doc.items() if k != "checksum"}
     digest = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
     return orjson.dumps({**body, "checksum": "sha256:" + digest})
 
 
-@pytest.mark.parametrize(
+def _from_the_future(raw: bytes) -> bytes:
+    """Resealed with a written_at far ahead of any real clock: an impossible value."""
+    return _resealed(raw, lambda doc: doc.update(written_at=4_000_000_000.0))
+
+
+def _engine_missing(raw: bytes) -> bytes:
+    """Resealed with d1 still in engine_set but gone from engines: inconsistent in itself."""
+    return _resealed(raw, lambda doc: doc["engines"].pop("d1"))
+
+
+DAMAGES = pytest.mark.parametrize(
     ("damage", "reason"),
     [
         (lambda raw: raw[: len(raw) // 3], "invalid: not valid JSON (truncated or corrupt): "),
@@ -204,22 +217,83 @@ def _from_the_future(raw: bytes) -> bytes:
          "invalid: fails the schema at sequence: -1 is less than the minimum of 1"),
         (lambda raw: None, "invalid: no handoff file"),
         (_from_the_future, "invalid: impossible values: written_at 4000000000.0 is in the future"),
+        (_engine_missing, "invalid: impossible values: engines do not match engine_set"),
     ],
-    ids=["truncated", "tampered", "schema-version", "schema-violation", "missing", "future"],
+    ids=["truncated", "tampered", "schema-version", "schema-violation", "missing", "future",
+         "engine-missing"],
 )  # fmt: skip
-def test_validate_refuses_a_damaged_handoff_with_the_reason(
-    files: tuple[Path, Path, dict[str, Any]], damage: Any, reason: str
-) -> None:
-    config_path, handoff, _ = files
+
+
+def _damage(handoff: Path, damage: Any) -> None:
     damaged = damage(handoff.read_bytes())
     if damaged is None:
         handoff.unlink()
     else:
         handoff.write_bytes(damaged)
+
+
+@DAMAGES
+def test_validate_refuses_a_damaged_handoff_with_the_reason(
+    files: tuple[Path, Path, dict[str, Any]], damage: Any, reason: str
+) -> None:
+    config_path, handoff, _ = files
+    _damage(handoff, damage)
     out = narwhal("handoff", "validate", str(handoff), "--config", str(config_path))
     assert out.returncode == 1
     assert out.stdout.startswith(reason)
     assert out.stdout.count("\n") == 1
+
+
+NOT_CHECKED = (
+    "note: no --config: the engine set and kv_role permits were not checked "
+    "against a configuration\n"
+)
+
+
+def test_validate_without_a_config_checks_what_needs_none(
+    files: tuple[Path, Path, dict[str, Any]],
+) -> None:
+    """No --config: the document alone is checked, and the output says the engine set was
+    not (so a handoff for any fleet passes)."""
+    _, handoff, _ = files
+    out = narwhal("handoff", "validate", str(handoff))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "valid: applied handoff sequence 41 from router-a\n" + NOT_CHECKED
+    assert out.stderr == ""
+
+
+@DAMAGES
+def test_validate_without_a_config_still_refuses_a_damaged_handoff(
+    files: tuple[Path, Path, dict[str, Any]], damage: Any, reason: str
+) -> None:
+    _, handoff, _ = files
+    _damage(handoff, damage)
+    out = narwhal("handoff", "validate", str(handoff))
+    assert out.returncode == 1, out.stderr
+    first, second = out.stdout.splitlines(keepends=True)
+    assert first.startswith(reason)
+    assert second == NOT_CHECKED
+    assert "Traceback" not in out.stderr
+
+
+def test_validate_with_a_config_still_checks_kv_role_permits(
+    files: tuple[Path, Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A role the config's kv_role forbids is refused with --config and, having no config to
+    judge it by, let through without one."""
+    config_path, handoff, _ = files
+    data = yaml.safe_load(config_path.read_text())
+    for engine in data["engines"]:
+        if engine["id"] == "p0":
+            engine.update(role="decode", kv_role="kv_consumer")
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(yaml.safe_dump(data))
+    out = narwhal("handoff", "validate", str(handoff), "--config", str(strict))
+    assert (out.returncode, out.stdout) == (
+        1,
+        "invalid: impossible values: p0 role prefill is not permitted by kv_role kv_consumer\n",
+    )
+    assert narwhal("handoff", "validate", str(handoff)).returncode == 0
 
 
 @pytest.mark.parametrize("command", ["validate", "show"])

@@ -144,7 +144,7 @@ def refused(code: str, reason: str) -> Verdict:
 
 def check_document(
     raw: bytes | None,
-    config: Config,
+    config: Config | None,
     schema: dict[str, Any],
     *,
     now_wall_s: float | None = None,
@@ -152,7 +152,9 @@ def check_document(
     """Validate a saved handoff against the schema, its checksum and the configured fleet.
 
     `now_wall_s` (the reader's wall clock) enables the check that no saved time lies in the
-    future beyond `CLOCK_SKEW_ALLOWANCE_S`; without it that check is skipped."""
+    future beyond `CLOCK_SKEW_ALLOWANCE_S`; without it that check is skipped. `config` None
+    (`narwhal handoff validate` without `--config`) skips what needs the configuration: the
+    engine set comparison and the kv_role permits."""
     if raw is None:
         return refused("missing", "no handoff file")
     try:
@@ -175,7 +177,7 @@ def check_document(
     if duplicates:
         return refused("impossible", f"impossible values: engine_set lists {duplicates} twice")
     saved = {(e["id"], e["url"]) for e in doc["engine_set"]}
-    configured = {(e.id, e.url) for e in config.engines}
+    configured = saved if config is None else {(e.id, e.url) for e in config.engines}
     if saved != configured:
         added = sorted(i for i, _ in configured - saved)
         removed = sorted(i for i, _ in saved - configured)
@@ -213,35 +215,38 @@ def schema_complaint(doc: Any, schema: dict[str, Any]) -> str | None:
     return f"fails the schema at {where}: {error.message}"
 
 
-def impossible_values(doc: dict[str, Any], config: Config, now_wall_s: float | None) -> str | None:
+def impossible_values(
+    doc: dict[str, Any], config: Config | None, now_wall_s: float | None
+) -> str | None:
     """What a schema-valid document with a good checksum may still get wrong: values no router
-    writes, which applied would give the fleet a state it cannot reach (None: nothing)."""
-    configured = {e.id for e in config.engines}
+    writes, which applied would give the fleet a state it cannot reach (None: nothing).
+    Called once the engine set matches the config, so the document's own engine_set stands
+    for the configured ids; `config` None skips only the kv_role permits."""
+    configured = {e["id"] for e in doc["engine_set"]}
+    kv_roles = {} if config is None else {e.id: e.effective_kv_role for e in config.engines}
     if set(doc["engines"]) != configured:
         return "engines do not match engine_set"
     latest = None if now_wall_s is None else now_wall_s + CLOCK_SKEW_ALLOWANCE_S
     if latest is not None and doc["written_at"] > latest:
         return f"written_at {doc['written_at']} is in the future"
-    for engine in config.engines:
-        saved = doc["engines"][engine.id]
+    for engine_id in sorted(configured):
+        saved = doc["engines"][engine_id]
         role = Role(saved["role"])
-        if role not in KV_ROLE_PERMITS[engine.effective_kv_role]:
-            return (
-                f"{engine.id} role {role.value} is not "
-                f"permitted by kv_role {engine.effective_kv_role.value}"
-            )
+        kv_role = kv_roles.get(engine_id)
+        if kv_role is not None and role not in KV_ROLE_PERMITS[kv_role]:
+            return f"{engine_id} role {role.value} is not permitted by kv_role {kv_role.value}"
         ejection = saved["ejection"]
         if ejection is not None and latest is not None and ejection["at"] > latest:
-            return f"{engine.id} ejection at {ejection['at']} is in the future"
+            return f"{engine_id} ejection at {ejection['at']} is in the future"
         names = [h["name"] for h in saved["holds"]]
         for hold in saved["holds"]:
             name = hold["name"]
             if names.count(name) > 1:
-                return f"{engine.id} has {names.count(name)} {name} holds"
+                return f"{engine_id} has {names.count(name)} {name} holds"
             if name in UNTIMED_HOLDS and hold["deadline"] is not None:
-                return f"{engine.id} {name} hold has a deadline ({name} has none)"
+                return f"{engine_id} {name} hold has a deadline ({name} has none)"
             if hold["deadline"] is not None and hold["deadline"] < hold["since"]:
-                return f"{engine.id} {name} hold ends before it began"
+                return f"{engine_id} {name} hold ends before it began"
     counters = doc["counters"]
     for kind in ("failures", "ejections", "readmissions"):
         unknown = sorted(set(counters[kind]) - configured)
