@@ -287,20 +287,21 @@ async def test_both_legs_ask_for_an_uncompressed_answer(
     assert _header(_only(clean.decode, "decode"), "Accept-Encoding") == "identity"
 
 
-# ------------------------------------------------- handoffs from other NixlConnector versions
-OLD_STYLE_HANDOFF: dict[str, Any] = {
+# ----------------------------------------------- handoff variants other connectors send
+MINIMAL_HANDOFF: dict[str, Any] = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
     "remote_engine_id": "old-prefill",
     "remote_block_ids": [4, 5, 6],
+    "remote_request_id": "p-1",
     "remote_host": "10.1.2.3",
     "remote_port": 5601,
 }
 HANDOFF_VARIANTS = [
-    pytest.param(OLD_STYLE_HANDOFF, id="old-style-no-request-id"),
-    pytest.param({**OLD_STYLE_HANDOFF, "remote_block_ids": [[4, 5], [9, 10, 11]],
-                  "remote_request_id": "p-1", "tp_size": 2}, id="hybrid-nested-block-ids"),
-    pytest.param({**OLD_STYLE_HANDOFF, "remote_block_ids": [[4]], "future_field": {"a": [1]}},
+    pytest.param(MINIMAL_HANDOFF, id="no-tp-size"),
+    pytest.param({**MINIMAL_HANDOFF, "remote_block_ids": [[4, 5], [9, 10, 11]], "tp_size": 2},
+                 id="hybrid-nested-block-ids"),
+    pytest.param({**MINIMAL_HANDOFF, "remote_block_ids": [[4]], "future_field": {"a": [1]}},
                  id="unknown-fields-kept"),
 ]  # fmt: skip
 

@@ -262,22 +262,19 @@ READABLE: list[tuple[str, dict[str, Any]]] = [
     ("stop-with-handoff", _response(_handoff_params(), finish_reason="stop")),
     ("extra-fields-kept", _response(_handoff_params(something_new={"x": 1}))),
     ("no-choices", {"kv_transfer_params": _handoff_params()}),
-    # vLLM's older NixlConnector handoff has no remote_request_id (nor tp_size).
-    ("old-style-no-request-id", _response(_without("remote_request_id"))),
     (
-        "old-style-minimal",
+        "minimal",
         _response(
             {
                 "do_remote_prefill": True,
-                "do_remote_decode": False,
                 "remote_engine_id": "engine-7f3a",
                 "remote_block_ids": [3, 4],
+                "remote_request_id": "cmpl-1",
                 "remote_host": "10.0.0.5",
                 "remote_port": 5600,
             }
         ),
     ),
-    ("request-id-null", _response(_handoff_params(remote_request_id=None))),
     # Connectors for hybrid models send one block list per KV cache group.
     ("block-ids-nested", _response(_handoff_params(remote_block_ids=[[1, 2], [7, 8, 9]]))),
     ("block-ids-nested-one-group", _response(_handoff_params(remote_block_ids=[[1, 2]]))),
@@ -331,6 +328,8 @@ UNREADABLE: list[tuple[str, Any]] = [
     ("block-ids-nested-too-deep", _response(_handoff_params(remote_block_ids=[[[1]]]))),
     ("block-ids-mixed", _response(_handoff_params(remote_block_ids=[1, [2, 3]]))),
     ("block-ids-nested-null", _response(_handoff_params(remote_block_ids=[None]))),
+    ("request-id-missing", _response(_without("remote_request_id"))),
+    ("request-id-null", _response(_handoff_params(remote_request_id=None))),
     ("request-id-int", _response(_handoff_params(remote_request_id=5))),
     ("request-id-list", _response(_handoff_params(remote_request_id=["r"]))),
     ("tp-size-string", _response(_handoff_params(tp_size="1"))),
@@ -410,9 +409,9 @@ _valid_params = st.fixed_dictionaries(
         | st.lists(st.lists(st.integers(0, 2**31), max_size=5), max_size=4),
         "remote_host": st.text(max_size=20),
         "remote_port": st.integers(1, 65535),
+        "remote_request_id": st.text(max_size=20),
     },
     optional={
-        "remote_request_id": st.text(max_size=20),
         "tp_size": st.integers(1, 8),
         "do_remote_decode": st.booleans(),
     },
@@ -453,8 +452,8 @@ def test_any_mistyped_required_field_is_unreadable(
         "tp_size": int,
     }[field]
     well_typed = isinstance(value, expected_type) and not isinstance(value, bool)
-    if field in ("remote_request_id", "tp_size") and value is None:
-        well_typed = True  # optional fields: null is the same as absent
+    if field == "tp_size" and value is None:
+        well_typed = True  # optional: null is the same as absent
     if field == "remote_port" and well_typed:
         well_typed = 0 < value < 65536
     if field == "remote_block_ids" and well_typed:

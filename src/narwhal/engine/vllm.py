@@ -36,17 +36,18 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-# What a decode needs to find the blocks, and the JSON type of each (bool is not an int here).
-# `remote_request_id` (absent from vLLM's older NixlConnector handoff) and `tp_size` are only
-# type-checked when present; everything else passes through to the decode unchanged.
+# The handoff's fields (DESIGN §1) and the JSON type of each (bool is not an int here).
+# `remote_request_id` is required as DESIGN lists it (vLLM's NixlConnector has sent it since
+# it names the prefill's request to the decode); `tp_size` is type-checked only when present;
+# everything else passes through to the decode unchanged.
 _HANDOFF_FIELDS: dict[str, tuple[type, ...]] = {
     "remote_engine_id": (str,),
     "remote_block_ids": (list,),
+    "remote_request_id": (str,),
     "remote_host": (str,),
     "remote_port": (int,),
 }
 _OPTIONAL_HANDOFF_FIELDS: dict[str, tuple[type, ...]] = {
-    "remote_request_id": (str,),
     "tp_size": (int,),
 }
 
