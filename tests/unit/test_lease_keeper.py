@@ -150,7 +150,7 @@ async def test_a_live_lease_is_not_taken_without_preemption(world: World) -> Non
     assert world.store.record is not None and world.store.record.holder == "router-a"
     # a did not renew: on its own clock it fenced 2.5 s before the store's expiry.
     assert world.reasons() == (
-        "fenced: lease not renewed in time",
+        "fenced: lease lost",
         "standby: lease held by router-a",
     )
 
@@ -181,7 +181,7 @@ async def test_admission_fences_at_the_renew_deadline_on_the_monotonic_clock(
     world.store.down = True  # nothing renews: the keeper decides on its own clock
     world.clock.advance(elapsed_s)
     reason = world.a.admission_reason(world.clock.monotonic())
-    assert reason == ("fenced: lease not renewed in time" if fenced else None)
+    assert reason == ("fenced: lease lost" if fenced else None)
     assert world.a.time_left_s(world.clock.monotonic()) == pytest.approx(TTL_S - elapsed_s)
 
 
@@ -198,7 +198,7 @@ async def test_renew_failures_past_the_deadline_fence(world: World) -> None:
     await world.a.renew()
     assert world.a.role is Role.FENCED
     assert world.a.fence_reason == "lease not renewed in time"
-    assert world.reasons()[0] == "fenced: lease not renewed in time"
+    assert world.reasons()[0] == "fenced: lease lost"
     assert world.a.time_left_s(world.clock.monotonic()) is None
     # Fenced for good: the store coming back does not unfence it; only an acquisition does.
     world.store.down = False
@@ -226,7 +226,7 @@ async def test_a_slow_renewal_counts_from_its_start(world: World) -> None:
     assert world.a.role is Role.ACTIVE
     assert world.a.time_left_s(now) == pytest.approx(TTL_S - 3.0)
     world.clock.advance(DEADLINE_S - 3.0)  # 7.5 s after the renewal's start
-    assert world.a.admission_reason(world.clock.monotonic()) == "fenced: lease not renewed in time"
+    assert world.a.admission_reason(world.clock.monotonic()) == "fenced: lease lost"
 
 
 async def test_check_deadline_fences(world: World) -> None:
@@ -247,7 +247,7 @@ async def test_another_holder_fences_at_the_next_renewal(world: World) -> None:
     await world.a.renew()  # well within a's deadline: fenced at once all the same
     assert world.a.role is Role.FENCED
     assert world.a.fence_reason == "lease lost to router-b"
-    assert world.a.admission_reason(world.clock.monotonic()) == "fenced: lease lost to router-b"
+    assert world.a.admission_reason(world.clock.monotonic()) == "fenced: lease lost"
     assert world.a.last_seen is not None and world.a.last_seen.holder == "router-b"
     assert world.store.record is not None and world.store.record.epoch == 2
 
@@ -331,7 +331,7 @@ async def test_an_expired_lease_is_taken_without_waiting(world: World) -> None:
     assert await world.a.try_acquire(preempt=False)
     world.clock.advance(TTL_S)
     assert await world.b.try_acquire(preempt=False)
-    assert world.reasons() == ("fenced: lease not renewed in time", None)
+    assert world.reasons() == ("fenced: lease lost", None)
 
 
 async def test_preemption_never_lets_both_admit(world: World) -> None:
@@ -412,7 +412,7 @@ async def test_a_paused_holder_cannot_admit_when_it_resumes(world: World) -> Non
     assert await world.a.try_acquire(preempt=False)
     world.clock.advance(TTL_S + 5.0)  # frozen: no renewals, no loops
     assert await world.b.try_acquire(preempt=False)
-    assert world.reasons() == ("fenced: lease not renewed in time", None)
+    assert world.reasons() == ("fenced: lease lost", None)
     await world.a.renew()
     assert world.a.role is Role.FENCED and world.a.fence_reason == "lease not renewed in time"
 
@@ -480,10 +480,10 @@ async def test_admission_reason_lines(world: World) -> None:
     assert await world.b.try_acquire(preempt=True)
     assert world.reasons() == (None, "standby: waiting out the previous lease")
     await world.a.renew()
-    assert world.reasons() == ("fenced: lease lost to router-b", "standby: waiting out the "
+    assert world.reasons() == ("fenced: lease lost", "standby: waiting out the "
                                "previous lease")  # fmt: skip
     world.clock.advance(TTL_S)
-    assert world.reasons()[1] == "fenced: lease not renewed in time"
+    assert world.reasons()[1] == "fenced: lease lost"
 
 
 async def test_to_json_and_the_handoff_lease(world: World) -> None:

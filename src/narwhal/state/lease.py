@@ -26,6 +26,9 @@ from narwhal.config import LeaseConfig
 
 log = logging.getLogger("narwhal.lease")
 
+FENCED_LINE = "fenced: lease lost"
+"""A fenced router's `/ready` body, whatever the cause (DESIGN's example line)."""
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseRecord:
@@ -108,15 +111,17 @@ class LeaseKeeper:
 
     # ---------------------------------------------------------------- views
     def admission_reason(self, now: float) -> str | None:
-        """None when this router may admit now; else the `/ready` line."""
+        """None when this router may admit now; else the `/ready` line. Every fenced case
+        reads exactly `fenced: lease lost` (DESIGN's line); why is in `fence_reason`, the
+        log and the operator refusals."""
         if self.role is Role.FENCED:
-            return f"fenced: {self.fence_reason}"
+            return FENCED_LINE
         if self.role is Role.STANDBY:
             holder = self.last_seen.holder if self.last_seen else None
             return f"standby: lease held by {holder or 'nobody'}"
         assert self._renew_started is not None
         if now - self._renew_started >= self._cfg.effective_renew_deadline_s:
-            return "fenced: lease not renewed in time"
+            return FENCED_LINE  # the role follows at the next renewal attempt
         if now < self._admit_after:
             return "standby: waiting out the previous lease"
         return None
