@@ -161,6 +161,7 @@ class Router:
             lambda: self.small.risk,
             self._lease_json,
             fs=filesystem,
+            on_dir_fsync_failure=self.metrics.handoff_dir_fsync_failures.inc,
         )
         self.resume = resume
         self.resume_verdict: Verdict | None = None
@@ -168,6 +169,8 @@ class Router:
         self.ownership: Ownership | None = None
         if config.lease.backend != "none":
             store = lease_store or make_store(config, filesystem)
+            if isinstance(store, FileLeaseStore):  # it writes the handoff under its lock
+                store.on_handoff_unsynced = self.handoff.unsynced
             keeper = LeaseKeeper(config.effective_router_id, config.lease, store, self.clock)
             self.ownership = Ownership(
                 config, keeper, self.fleet, self.handoff, self.metrics, self.clock

@@ -207,6 +207,36 @@ async def test_a_failing_write_is_a_handoff_stage_error_and_degrades_then_recove
         assert r.status == 200, await r.text()
 
 
+class DirFsyncFails(Filesystem):
+    """The directory fsync (after the rename) always fails; everything else is real."""
+
+    def fsync_dir(self, path: Path) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+
+async def test_a_directory_fsync_failure_after_the_rename_is_counted_not_failed(
+    engines: list[dict[str, Any]], start_router: StartRouter
+) -> None:
+    """The document is in place, so the write is accepted: the sequence advances, the monitor
+    is not degraded, and the metric counts what may not survive a crash."""
+    rr = await start_router(
+        engines,
+        router_kwargs={"filesystem": DirFsyncFails()},
+        controller={"monitor_failure_limit": 1},
+    )
+    router = rr.router
+    path = router.handoff.path
+    await eventually(lambda: router.handoff.writes >= 3, what="three accepted writes")
+    assert read_doc(path)["sequence"] >= 3
+    assert router.monitor.status.streak == 0
+    assert (await get(rr.url + "/ready")) == (200, "ready")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["handoff.json"]
+    metrics = (await get(rr.url + "/metrics"))[1]
+    assert metric(metrics, "narwhal_handoff_dir_fsync_failures_total") >= 3
+    assert metric(metrics, 'narwhal_handoff_writes_total{result="failed"}') == 0
+    assert metric(metrics, 'narwhal_handoff_writes_total{result="ok"}') >= 3
+
+
 async def test_a_removed_state_directory_is_a_handoff_stage_error(
     engines: list[dict[str, Any]], start_router: StartRouter
 ) -> None:

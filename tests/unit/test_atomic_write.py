@@ -247,14 +247,20 @@ def test_a_failed_first_write_leaves_no_destination_and_no_temporary_file(dest: 
     assert listing(dest.parent) == []
 
 
-def test_a_failed_directory_fsync_is_reported_after_the_rename(dest: Path) -> None:
-    """The rename already happened: the new document is complete, no temporary file remains,
-    and the caller still learns that durability is not confirmed."""
+def test_a_failed_directory_fsync_after_the_rename_is_not_a_failed_write(dest: Path) -> None:
+    """The rename already happened: the new document is complete and no temporary file
+    remains, so the write is not failed (which would mean "previous destination intact"); the
+    caller learns that durability is not confirmed from the result and `on_unsynced`."""
     atomic_write(dest, OLD)
-    with pytest.raises(OSError):
-        atomic_write(dest, NEW, fs=Recording("fsync_dir", OSError(errno.EIO, "EIO")))
+    seen: list[OSError] = []
+    error = OSError(errno.EIO, "EIO")
+    synced = atomic_write(dest, NEW, fs=Recording("fsync_dir", error), on_unsynced=seen.append)
+    assert synced is False
+    assert seen == [error]
     assert dest.read_bytes() == NEW
     assert listing(dest.parent) == ["handoff.json"]
+    assert atomic_write(dest, OLD, on_unsynced=seen.append) is True
+    assert len(seen) == 1
 
 
 def test_a_failed_open_creates_nothing(dest: Path) -> None:

@@ -566,20 +566,32 @@ class FailDirFsyncOnce(Filesystem):
         super().fsync_dir(path)
 
 
-async def test_a_document_that_reached_the_destination_keeps_its_sequence_number(
+async def test_a_directory_fsync_failure_after_the_rename_is_an_accepted_write(
     config: Config, tmp_path: Path
 ) -> None:
+    """The document reached the destination: accepted (sequence advances), counted, no error."""
     rig = Rig(config)
     path = tmp_path / "handoff.json"
+    failures: list[None] = []
     writer = HandoffWriter(
-        path, "r", rig.fleet, rig.clock, dict, lambda: None, fs=FailDirFsyncOnce()
+        path,
+        "r",
+        rig.fleet,
+        rig.clock,
+        dict,
+        lambda: None,
+        fs=FailDirFsyncOnce(),
+        on_dir_fsync_failure=lambda: failures.append(None),
     )
-    with pytest.raises(OSError):
-        await writer.stage(rig.clock.monotonic())
-    on_disk = json.loads(path.read_bytes())  # the rename happened: this document is out
+    await writer.stage(rig.clock.monotonic())
+    on_disk = json.loads(path.read_bytes())
+    assert on_disk["sequence"] == writer.sequence == 1
+    assert writer.last_document == on_disk and writer.writes == 1
+    assert len(failures) == 1
     rig.clock.advance(1)
     await writer.stage(rig.clock.monotonic())
-    assert json.loads(path.read_bytes())["sequence"] > on_disk["sequence"]
+    assert json.loads(path.read_bytes())["sequence"] == 2
+    assert len(failures) == 1
 
 
 # --------------------------------------------------------------------------- impossible values

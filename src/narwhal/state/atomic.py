@@ -1,7 +1,9 @@
 """Atomic file replacement: a process-unique temporary file, fsync, rename, fsync the dir.
 
 Concurrent writers each leave a complete document, so the destination is always one whole
-document. On failure the temporary file is removed and the destination is left intact.
+document. On failure the temporary file is removed and the destination is left intact. A
+directory fsync that fails after the rename is not a failed write (the destination already
+holds the new document): it is logged, reported to `on_unsynced`, and the write returns False.
 File-system calls go through `Filesystem`, the seam tests use to inject write errors.
 """
 
@@ -9,11 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("narwhal.atomic")
 
 
 class Filesystem:
@@ -56,7 +62,16 @@ def temp_name(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.{os.getpid()}.{host_tag()}.{secrets.token_hex(4)}.tmp")
 
 
-def atomic_write(dest: Path, data: bytes, mode: int = 0o600, fs: Filesystem | None = None) -> None:
+def atomic_write(
+    dest: Path,
+    data: bytes,
+    mode: int = 0o600,
+    fs: Filesystem | None = None,
+    on_unsynced: Callable[[OSError], None] | None = None,
+) -> bool:
+    """Replace `dest` with `data`; raises (destination intact) if the write fails. Returns
+    whether the directory fsync confirmed the rename: False means `dest` holds the new
+    document, but a crash might still bring back the previous one."""
     fs = fs or Filesystem()
     tmp = temp_name(dest)
     fd = fs.open_exclusive(tmp, mode)
@@ -75,7 +90,14 @@ def atomic_write(dest: Path, data: bytes, mode: int = 0o600, fs: Filesystem | No
         with contextlib.suppress(OSError):
             fs.unlink(tmp)
         raise
-    fs.fsync_dir(dest.parent)
+    try:
+        fs.fsync_dir(dest.parent)
+    except OSError as exc:
+        log.warning("%s written, but its directory fsync failed: %s", dest, exc)
+        if on_unsynced is not None:
+            on_unsynced(exc)
+        return False
+    return True
 
 
 def _pid_alive(pid: int) -> bool:

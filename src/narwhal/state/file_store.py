@@ -30,6 +30,7 @@ class FileLeaseStore:
         self.handoff_path = handoff_path
         self._lock_path = path.with_name(path.name + ".lock")
         self._fs = fs or Filesystem()
+        self.on_handoff_unsynced: Callable[[OSError], None] | None = None
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -90,7 +91,7 @@ class FileLeaseStore:
             current = self._read()
             if current is None or current.holder != holder or current.epoch != epoch:
                 return False
-            atomic_write(self.handoff_path, data, 0o600, self._fs)
+            atomic_write(self.handoff_path, data, 0o600, self._fs, self.on_handoff_unsynced)
             return True
 
         def locked() -> bool:

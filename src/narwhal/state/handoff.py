@@ -341,9 +341,11 @@ class HandoffWriter:
         risk: Callable[[], dict[str, Any]],
         lease: Callable[[], dict[str, Any] | None],
         fs: Filesystem | None = None,
+        on_dir_fsync_failure: Callable[[], None] | None = None,
     ) -> None:
         self.path = path
         self._router_id = router_id
+        self._on_dir_fsync_failure = on_dir_fsync_failure
         self._fleet = fleet
         self._clock = clock
         self._risk = risk
@@ -365,7 +367,13 @@ class HandoffWriter:
         )
 
     async def write_local(self, data: bytes) -> None:
-        await asyncio.to_thread(atomic_write, self.path, data, 0o600, self._fs)
+        await asyncio.to_thread(atomic_write, self.path, data, 0o600, self._fs, self.unsynced)
+
+    def unsynced(self, exc: OSError) -> None:
+        """A write whose directory fsync failed after the rename: the document is in place and
+        accepted, but counted (it may not survive a crash). Called from the writing thread."""
+        if self._on_dir_fsync_failure is not None:
+            self._on_dir_fsync_failure()
 
     def accept(self, doc: dict[str, Any]) -> None:
         self.sequence = doc["sequence"]
@@ -374,8 +382,7 @@ class HandoffWriter:
 
     async def stage(self, now: float) -> None:
         doc = self.document()
-        # A sequence number is consumed even if the write fails part-way (e.g. the directory
-        # fsync after the rename): a number that may be on disk is never reused.
+        # A sequence number is consumed even if the write fails: a number is never reused.
         self.sequence = doc["sequence"]
         data = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
         if self.guard is not None:

@@ -186,6 +186,11 @@ class Metrics:
         self.handoff_writes = Counter(
             "narwhal_handoff_writes", "Handoff writes by result", ["result"], registry=r
         )
+        self.handoff_dir_fsync_failures = Counter(
+            "narwhal_handoff_dir_fsync_failures",
+            "Handoff writes whose directory fsync failed after the rename (accepted)",
+            registry=r,
+        )
         self.handoff_write_seconds = Histogram(
             "narwhal_handoff_write_seconds",
             "Handoff stage duration",
