@@ -1,7 +1,9 @@
 """Attestation verifiers for readmission: `none`, `tls` and `command`.
 
 `none` is reported as not configured, never as passed. `tls` requires an HTTPS engine whose
-certificate chains to the configured CA and names the engine id. `command` runs an operator
+certificate chains to the configured CA and names the engine id; its handshake is a control
+connection, so it runs in a slot of the control pool (`engine.control_connections`), and a pool
+with no slot free in time fails the step without touching the engine. `command` runs an operator
 program with the engine's id and URL; exit status 0 passes, and a JSON `{"reason": ...}` on
 stdout says why.
 """
@@ -16,6 +18,7 @@ from enum import StrEnum
 from urllib.parse import urlsplit
 
 from narwhal.config import AttestationConfig, EngineConfig
+from narwhal.engine.transport import ControlPoolBusy, EngineClient, PoolKind
 
 
 class Outcome(StrEnum):
@@ -30,15 +33,20 @@ class Attestation:
     reason: str
 
 
-async def attest(config: AttestationConfig, engine: EngineConfig) -> Attestation:
+async def attest(
+    config: AttestationConfig, engine: EngineConfig, client: EngineClient
+) -> Attestation:
+    """Attest `engine`; `client` lends the control-pool slot a TLS handshake runs in."""
     if config.kind == "tls":
-        return await _tls(config, engine)
+        return await _tls(config, engine, client)
     if config.kind == "command":
         return await _command(config, engine)
     return Attestation(Outcome.NOT_CONFIGURED, "attestation not configured")
 
 
-async def _tls(config: AttestationConfig, engine: EngineConfig) -> Attestation:
+async def _tls(
+    config: AttestationConfig, engine: EngineConfig, client: EngineClient
+) -> Attestation:
     parts = urlsplit(engine.url)
     if parts.scheme != "https":
         return Attestation(Outcome.FAILED, "tls attestation needs an https engine url")
@@ -48,15 +56,18 @@ async def _tls(config: AttestationConfig, engine: EngineConfig) -> Attestation:
     except (OSError, ssl.SSLError) as exc:
         return Attestation(Outcome.FAILED, f"cannot load CA {config.ca_file}: {exc}")
     try:
-        async with asyncio.timeout(config.timeout_s):
+        # One deadline for waiting for the slot and the handshake, as for any control request.
+        async with client.deadline(PoolKind.CONTROL, config.timeout_s):
             _, writer = await asyncio.open_connection(
                 parts.hostname, parts.port or 443, ssl=context, server_hostname=engine.id
             )
+            writer.close()
+    except ControlPoolBusy as exc:
+        return Attestation(Outcome.FAILED, f"tls attestation not attempted: {exc.detail}")
     except ssl.SSLCertVerificationError as exc:
         return Attestation(Outcome.FAILED, f"certificate rejected: {exc.verify_message}")
     except (OSError, ssl.SSLError, TimeoutError) as exc:
         return Attestation(Outcome.FAILED, f"tls handshake failed: {type(exc).__name__}: {exc}")
-    writer.close()
     return Attestation(Outcome.PASSED, f"certificate chains to the CA and names {engine.id}")
 
 

@@ -226,7 +226,7 @@ class Readmission:
         return False, result.detail
 
     async def _attestation(self, engine: EngineState) -> tuple[bool, str]:
-        result = await attest(self._cfg.attestation, engine.config)
+        result = await attest(self._cfg.attestation, engine.config, self._client)
         return result.outcome is not Outcome.FAILED, result.reason
 
     async def _kv_transfer(self, engine: EngineState) -> tuple[bool, str]:
