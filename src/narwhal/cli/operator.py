@@ -53,12 +53,12 @@ def _message(body: Any) -> str:
     return json.dumps(body)
 
 
-STEP_LABELS = {"passed": "ok", "failed": "FAIL", "not_configured": "skip"}
+STEP_LABELS = {"passed": "ok", "failed": "FAIL", "not_configured": "skip", "unknown": "skip"}
 
 
 def _step_label(step: dict[str, Any]) -> str:
-    """`ok`, `FAIL`, or `skip` for a step that did not run because it is not configured
-    (attestation): an unconfigured check is not reported as passed."""
+    """`ok`, `FAIL`, or `skip` for a step that could not judge (attestation not configured,
+    a generation the engine does not export): an unchecked step is not reported as passed."""
     status = step.get("status") or ("passed" if step["ok"] else "failed")
     return STEP_LABELS.get(status, str(status))
 
