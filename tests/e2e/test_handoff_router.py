@@ -214,15 +214,22 @@ class DirFsyncFails(Filesystem):
         raise OSError(errno.EIO, "Input/output error")
 
 
+@pytest.mark.parametrize("lease_backend", ["none", "file"])
 async def test_a_directory_fsync_failure_after_the_rename_is_counted_not_failed(
-    engines: list[dict[str, Any]], start_router: StartRouter
+    engines: list[dict[str, Any]], start_router: StartRouter, tmp_path: Path, lease_backend: str
 ) -> None:
     """The document is in place, so the write is accepted: the sequence advances, the monitor
-    is not degraded, and the metric counts what may not survive a crash."""
+    is not degraded, and the metric counts what may not survive a crash. With a file lease
+    the store writes the handoff (under its lock), and its lease record too."""
+    lease: dict[str, Any] = {"backend": "none"}
+    if lease_backend == "file":
+        lease = {"backend": "file", "path": str(tmp_path / "state" / "lease.json"),
+                 "ttl_s": 10.0, "renew_interval_s": 1.0}  # fmt: skip
     rr = await start_router(
         engines,
         router_kwargs={"filesystem": DirFsyncFails()},
         controller={"monitor_failure_limit": 1},
+        lease=lease,
     )
     router = rr.router
     path = router.handoff.path
@@ -230,7 +237,7 @@ async def test_a_directory_fsync_failure_after_the_rename_is_counted_not_failed(
     assert read_doc(path)["sequence"] >= 3
     assert router.monitor.status.streak == 0
     assert (await get(rr.url + "/ready")) == (200, "ready")
-    assert sorted(p.name for p in path.parent.iterdir()) == ["handoff.json"]
+    assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")]
     metrics = (await get(rr.url + "/metrics"))[1]
     assert metric(metrics, "narwhal_handoff_dir_fsync_failures_total") >= 3
     assert metric(metrics, 'narwhal_handoff_writes_total{result="failed"}') == 0
