@@ -9,6 +9,8 @@ is a record written into that file.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,16 @@ HOUR_S = 3600.0
 
 
 def hold_lease(path: Path, holder: str, epoch: int, ttl_s: float) -> None:
+    """Write `holder`'s record under the file store's lock, as another router would: written
+    without it, a renewal in flight could overwrite it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"holder": holder, "epoch": epoch, "expires_at": time.time() + ttl_s}
-    path.write_bytes(orjson.dumps(record))
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path.write_bytes(orjson.dumps(record))
+    finally:
+        os.close(fd)  # releases the lock
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
