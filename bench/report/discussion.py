@@ -105,7 +105,10 @@ def _control(c: dict[str, Any], interval_s: float) -> list[str]:
         f"time ({share:.0%} of the {interval_s:.0f} s interval; {top}) and "
         f"{r['cpu_ms_per_pass']:.0f} ms of CPU: the health stage probes every engine over "
         "the control pool, and the telemetry stage sets about a dozen labelled gauges per "
-        "engine on every pass."
+        "engine on every pass. The control pool's bound (`engine.control_connections`, 8 by "
+        "default) counts idle keep-alive sockets too, so with more engines than control "
+        "connections most health checks open a fresh connection: the price of keeping the "
+        "bound the spec sets (a larger `control_connections` buys the sockets back)."
     ]
 
 
