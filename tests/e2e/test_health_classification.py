@@ -68,7 +68,9 @@ async def test_a_non_200_health_answer_is_classified_and_is_alive(
     prefill, decode = sim_factory.start_many([PREFILL, DECODE])
     rr = await start_router(
         _fleet(prefill, decode),
-        engine={"health_timeout_s": HEALTH_TIMEOUT_S},
+        # Nothing hangs here: a generous timeout, so that a check slowed by a loaded machine
+        # is not a silent sweep (with liveness_misses 1 it would eject).
+        engine={"health_timeout_s": 5.0},
         recovery={"liveness_misses": 1, "eject_after": 1000},
     )
     await _sweeps(rr, 1)
