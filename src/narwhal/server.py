@@ -454,7 +454,8 @@ class Router:
         await self.client.start()
         if self.resume:
             await self.apply_saved_state()
-        await self.continue_sequence()
+        if self.resume_verdict is None or not self.resume_verdict.ok:
+            await self.continue_sequence()  # an applied resume already continued it
         if self.ownership is not None:
             await self.ownership.start(self.standby)
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
