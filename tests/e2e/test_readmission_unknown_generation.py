@@ -46,6 +46,25 @@ def generation_step(e: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in e["readmission"] if s["step"] == "generation_identity")
 
 
+async def _router(
+    front: EngineFront,
+    sim_factory: SimFactory,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    liveness_misses: int,
+) -> Admin:
+    """p0 behind `front`, a sim as d0, and the admin API once the router is ready."""
+    d0 = sim_factory(*DECODE)
+    rr = await start_router(
+        [engine("p0", front.url, "prefill"), engine("d0", d0.url, "decode")],
+        admin={"token": TOKEN},
+        recovery={"eject_after": 1000, "liveness_misses": liveness_misses},
+    )
+    admin = Admin(http, rr.url)
+    await admin.wait_ready()
+    return admin
+
+
 @pytest.mark.slow
 async def test_an_ejected_engine_without_metrics_is_readmitted_with_generation_unknown(
     front: EngineFront,
@@ -53,14 +72,7 @@ async def test_an_ejected_engine_without_metrics_is_readmitted_with_generation_u
     start_router: StartRouter,
     http: aiohttp.ClientSession,
 ) -> None:
-    d0 = sim_factory(*DECODE)
-    rr = await start_router(
-        [engine("p0", front.url, "prefill"), engine("d0", d0.url, "decode")],
-        admin={"token": TOKEN},
-        recovery={"eject_after": 1000, "liveness_misses": 2},
-    )
-    admin = Admin(http, rr.url)
-    await admin.wait_ready()
+    admin = await _router(front, sim_factory, start_router, http, liveness_misses=2)
     await admin.wait_engine("p0", in_service, "in service")
     port = int(front.url.rsplit(":", 1)[1])
     await front.close()  # silent: ejected by liveness
@@ -87,14 +99,7 @@ async def test_maintenance_on_an_engine_without_metrics_ends_after_it_restarts(
     start_router: StartRouter,
     http: aiohttp.ClientSession,
 ) -> None:
-    d0 = sim_factory(*DECODE)
-    rr = await start_router(
-        [engine("p0", front.url, "prefill"), engine("d0", d0.url, "decode")],
-        admin={"token": TOKEN},
-        recovery={"eject_after": 1000, "liveness_misses": 1000},
-    )
-    admin = Admin(http, rr.url)
-    await admin.wait_ready()
+    admin = await _router(front, sim_factory, start_router, http, liveness_misses=1000)
     await admin.wait_engine("p0", in_service, "in service")
     await admin.maintenance("p0")
 
@@ -130,14 +135,7 @@ async def test_an_engine_whose_generation_was_seen_and_now_is_not_stays_out(
 ) -> None:
     """Something changed: an engine that exported its generation and no longer does."""
     del front.answer["/metrics"]
-    d0 = sim_factory(*DECODE)
-    rr = await start_router(
-        [engine("p0", front.url, "prefill"), engine("d0", d0.url, "decode")],
-        admin={"token": TOKEN},
-        recovery={"eject_after": 1000, "liveness_misses": 2},
-    )
-    admin = Admin(http, rr.url)
-    await admin.wait_ready()
+    admin = await _router(front, sim_factory, start_router, http, liveness_misses=2)
     await admin.wait_engine("p0", lambda e: e["generation"] is not None, "generation learned")
     port = int(front.url.rsplit(":", 1)[1])
     await front.close()
