@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -208,6 +209,9 @@ class LeaseConfig(_Section):
     ttl_s: PositiveFloat = 10.0
     renew_interval_s: PositiveFloat = 2.0
     renew_deadline_s: PositiveFloat | None = None
+    # etcd only (ignored by `file`, like `endpoints` and `key`): the holder compacts etcd's
+    # history this often, keeping at least this much of it; 0 leaves compaction to etcd.
+    compaction_interval_s: NonNegativeFloat = 300.0
 
     @field_validator("endpoints", mode="before")
     @classmethod

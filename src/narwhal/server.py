@@ -39,6 +39,8 @@ from narwhal.engine.failures import FailureClass, SuccessKind
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
 from narwhal.state.atomic import Filesystem, remove_stale_temps
+from narwhal.state.etcd_compaction import Compactor
+from narwhal.state.etcd_status import EtcdStatusWatch, status_interval_s
 from narwhal.state.etcd_store import EtcdLeaseStore
 from narwhal.state.file_store import FileLeaseStore
 from narwhal.state.handoff import (
@@ -167,13 +169,27 @@ class Router:
         self.resume_verdict: Verdict | None = None
         self.standby = standby
         self.ownership: Ownership | None = None
+        self.compactor: Compactor | None = None  # etcd: the holder compacts its history
+        self.etcd_status: EtcdStatusWatch | None = None  # etcd: size and alarms, every role
         if config.lease.backend != "none":
             store = lease_store or make_store(config, filesystem)
             if isinstance(store, FileLeaseStore):  # it writes the handoff under its lock
                 store.on_handoff_unsynced = self.handoff.unsynced
+            compaction_s = config.lease.compaction_interval_s
+            if isinstance(store, EtcdLeaseStore):
+                interval = status_interval_s(compaction_s)
+                self.etcd_status = EtcdStatusWatch(store, self.metrics, interval)
+                if compaction_s > 0:
+                    self.compactor = Compactor(store, compaction_s, self.metrics, self.clock)
             keeper = LeaseKeeper(config.effective_router_id, config.lease, store, self.clock)
             self.ownership = Ownership(
-                config, keeper, self.fleet, self.handoff, self.metrics, self.clock
+                config,
+                keeper,
+                self.fleet,
+                self.handoff,
+                self.metrics,
+                self.clock,
+                leadership=[self.compactor.run] if self.compactor else [],
             )
             self.handoff.guard = self.ownership.write_handoff
             self.admission.add_check(
@@ -471,6 +487,8 @@ class Router:
                 self._tasks = tg
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
+                if self.etcd_status is not None:
+                    tg.create_task(self.etcd_status.run())
                 tg.create_task(
                     self.monitor.run_forever(
                         self.config.controller.monitor_interval_s, should_run=self.is_active

@@ -4,6 +4,7 @@
 with `NARWHAL_TEST_ETCD`) as a one-member cluster on two free loopback ports with its own
 data directory, waits for `/health` with a deadline, and can be stopped and started again on
 the same ports and data directory (the lease record survives, like a real etcd restart).
+`quota_backend_bytes` starts it with a small backend quota (the compaction tests fill it).
 
 `etcd_server` is the pytest fixture. It never skips: a missing binary is a test failure with
 a message saying what to install, because a lease suite that silently skips its real
@@ -47,8 +48,15 @@ def _b64(text: str) -> str:
 class EtcdServer:
     """One etcd member on loopback. `client_url` is what `lease.endpoints` takes."""
 
-    def __init__(self, data_dir: Path, log_path: Path, binary: str = ETCD_BINARY) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        log_path: Path,
+        binary: str = ETCD_BINARY,
+        quota_backend_bytes: int | None = None,
+    ) -> None:
         self.binary = binary
+        self.quota_backend_bytes = quota_backend_bytes
         self.data_dir = data_dir
         self.log_path = log_path
         self.client_port = free_port()
@@ -67,6 +75,7 @@ class EtcdServer:
 
     def _command(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
+        quota = self.quota_backend_bytes
         return [
             self.binary,
             "--name", "narwhal-test",
@@ -83,6 +92,7 @@ class EtcdServer:
             "--election-timeout", "100",
             "--logger", "zap",
             "--log-outputs", "stderr",
+            *(["--quota-backend-bytes", str(quota)] if quota is not None else []),
         ]  # fmt: skip
 
     def start(self, timeout_s: float = _START_TIMEOUT_S) -> None:
@@ -165,6 +175,24 @@ class EtcdServer:
     def get_json(self, key: str) -> Any:
         raw = self.get(key)
         return None if raw is None else json.loads(raw)
+
+    def status(self) -> dict[str, Any]:
+        """`/v3/maintenance/status`: `dbSize`, `dbSizeInUse`, `header.revision`..."""
+        return self._post("/v3/maintenance/status", {})
+
+    def alarms(self) -> set[str]:
+        """The active alarms (`NOSPACE`, `CORRUPT`); empty when none."""
+        found = self._post("/v3/maintenance/alarm", {"action": "GET"}).get("alarms") or []
+        return {str(a.get("alarm", "NONE")) for a in found} - {"NONE"}
+
+    def range_error(self, key: str, revision: int) -> str | None:
+        """The error etcd answers to a read of `key` at `revision`, or None when it reads."""
+        body = {"key": _b64(key), "revision": str(revision)}
+        try:
+            self._post("/v3/kv/range", body)
+        except urllib.error.HTTPError as exc:
+            return str(json.loads(exc.read()).get("error", exc))
+        return None
 
 
 @pytest.fixture

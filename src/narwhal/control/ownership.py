@@ -3,14 +3,15 @@
 The active renews every `lease.renew_interval_s`. A standby (or a fenced router) re-reads
 the active's handoff each interval and applies it (ignoring older epochs), counts the
 active's failing `/ready` toward `standby.takeover_threshold`, and takes the lease when it
-expired or at the threshold.
+expired or at the threshold. Work that only the holder may do (`leadership`, e.g. etcd
+compaction) runs in a scope opened on becoming active and cancelled on fencing or shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import aiohttp
@@ -27,6 +28,9 @@ log = logging.getLogger("narwhal.ownership")
 
 ReadyProbe = Callable[[str], Awaitable[tuple[int, str] | None]]
 """GET `<url>/ready`: (status, body), or None when the active did not answer in time."""
+
+Leadership = Callable[[], Coroutine[Any, Any, None]]
+"""Work that runs only while this router holds the lease (it must not raise)."""
 
 
 def counts_toward_takeover(ready_body: str) -> bool:
@@ -50,6 +54,7 @@ class Ownership:
         metrics: Metrics,
         clock: Clock,
         probe_ready: ReadyProbe | None = None,
+        leadership: Sequence[Leadership] = (),
     ) -> None:
         self._cfg = config
         self.keeper = keeper
@@ -63,6 +68,9 @@ class Ownership:
         self.follow_error: str | None = None
         self._session: aiohttp.ClientSession | None = None
         self._probe_ready = probe_ready or self._http_ready
+        self._leadership = tuple(leadership)
+        self._group: asyncio.TaskGroup | None = None
+        self.leading: asyncio.Task[None] | None = None  # the leadership scope, while active
 
     async def start(self, standby: bool) -> None:
         """A non-standby router takes a free or expired lease at start; else it follows,
@@ -82,18 +90,39 @@ class Ownership:
     async def run(self) -> None:
         """Renew while active; follow and watch for takeover otherwise."""
         try:
-            while True:
-                if self.keeper.role is Role.ACTIVE:
-                    await self.keeper.renew()
-                    interval = self._cfg.lease.renew_interval_s
-                else:
-                    await self.standby_step()
-                    interval = self._cfg.controller.monitor_interval_s
-                self._publish()
-                await asyncio.sleep(interval)
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                while True:
+                    self._scope_leadership()
+                    if self.keeper.role is Role.ACTIVE:
+                        await self.keeper.renew()
+                        interval = self._cfg.lease.renew_interval_s
+                    else:
+                        await self.standby_step()
+                        interval = self._cfg.controller.monitor_interval_s
+                    self._scope_leadership()
+                    self._publish()
+                    await asyncio.sleep(interval)
         finally:
+            self._group = self.leading = None
             if self._session is not None:
                 await self._session.close()
+
+    def _scope_leadership(self) -> None:
+        """Open the leadership scope when this router is active, cancel it when it is not.
+        Called right after every step that can change the role (renewal, acquisition, a
+        handoff write refused by the epoch guard)."""
+        active = self.keeper.role is Role.ACTIVE
+        if active and self.leading is None and self._group is not None and self._leadership:
+            self.leading = self._group.create_task(self._lead())
+        elif not active and self.leading is not None:
+            self.leading.cancel()
+            self.leading = None
+
+    async def _lead(self) -> None:
+        async with asyncio.TaskGroup() as scope:
+            for work in self._leadership:
+                scope.create_task(work())
 
     async def standby_step(self) -> None:
         await self.follow()
@@ -182,7 +211,11 @@ class Ownership:
         """The handoff stage's write: epoch-guarded; a fenced or standby router is silent."""
         if self.keeper.role is not Role.ACTIVE:
             return
-        if await self.keeper.write_handoff(data):
+        try:
+            written = await self.keeper.write_handoff(data)
+        finally:
+            self._scope_leadership()  # a refused write fenced this router
+        if written:
             if self._cfg.lease.backend == "etcd":
                 await self._handoff.write_local(data)  # the local copy serves --resume
             self._handoff.accept(doc)

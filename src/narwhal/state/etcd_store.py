@@ -4,13 +4,15 @@ Lease writes are transactions guarded by the lease key's `mod_revision` as read 
 in the same operation. Acquisition also writes `<key>/owner` = "holder:epoch"; handoff
 writes (`<key>/handoff`) are transactions comparing that value, so a router that no longer
 holds its epoch cannot write, and renewals never refuse the holder's own writes.
-Guarantees and limits: docs/lease.md.
+The same gateway serves the maintenance calls: status (revision, database size), alarms,
+and compaction of the history. Guarantees and limits: docs/lease.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -22,6 +24,39 @@ from narwhal.state.lease import LeaseRecord, StoreUnavailable
 def _b64(data: bytes | str) -> str:
     raw = data.encode() if isinstance(data, str) else data
     return base64.b64encode(raw).decode()
+
+
+class EtcdRefused(StoreUnavailable):
+    """etcd answered, with an error (e.g. `mvcc: database space exceeded`): `detail` is its
+    message. Still a store failure for the lease; the compactor reads `detail`."""
+
+    def __init__(self, where: str, status: int, detail: str) -> None:
+        super().__init__(f"etcd {where}: HTTP {status}: {detail}")
+        self.detail = detail
+
+
+COMPACTED = "required revision has been compacted"
+"""etcd's error when a revision is at or below the last compaction (ours or another's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdStatus:
+    """`/v3/maintenance/status` of the member answering: its current revision and database
+    size (`db_size_in_use_bytes` is None when the server does not report it)."""
+
+    revision: int
+    db_size_bytes: int
+    db_size_in_use_bytes: int | None
+
+
+def _error_detail(data: bytes) -> str:
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data[:200].decode(errors="replace")
+    if isinstance(body, dict):
+        return str(body.get("error") or body.get("message") or body)
+    return str(body)
 
 
 class EtcdLeaseStore:
@@ -49,7 +84,7 @@ class EtcdLeaseStore:
                 async with self._session.post(endpoint + path, data=orjson.dumps(body)) as resp:
                     data = await resp.read()
                     if resp.status != 200:
-                        raise StoreUnavailable(f"etcd {endpoint}{path}: HTTP {resp.status}")
+                        raise EtcdRefused(endpoint + path, resp.status, _error_detail(data))
                     result: dict[str, Any] = orjson.loads(data)
                     self._next = (self._next + i) % len(self._endpoints)
                     return result
@@ -124,6 +159,35 @@ class EtcdLeaseStore:
     async def read_handoff(self) -> bytes | None:
         value, _ = await self._get(self._handoff_key)
         return value
+
+    # ---------------------------------------------------------------- maintenance
+    async def status(self) -> EtcdStatus:
+        data = await self._post("/v3/maintenance/status", {})
+        try:
+            in_use = data.get("dbSizeInUse")
+            return EtcdStatus(
+                revision=int(data["header"]["revision"]),
+                db_size_bytes=int(data["dbSize"]),
+                db_size_in_use_bytes=None if in_use is None else int(in_use),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreUnavailable(f"unreadable etcd status: {exc!r}") from None
+
+    async def alarms(self) -> frozenset[str]:
+        """The active alarms of the cluster (`NOSPACE`, `CORRUPT`); empty when none."""
+        data = await self._post("/v3/maintenance/alarm", {"action": "GET"})
+        return frozenset(str(a.get("alarm", "NONE")) for a in data.get("alarms") or ()) - {"NONE"}
+
+    async def compact(self, revision: int) -> bool:
+        """Compact the key-value history up to `revision` (every key: the whole cluster).
+        False when it was already compacted at or past it (by us or another client)."""
+        try:
+            await self._post("/v3/kv/compaction", {"revision": str(revision)})
+        except EtcdRefused as exc:
+            if COMPACTED in exc.detail:
+                return False
+            raise
+        return True
 
     async def close(self) -> None:
         if self._session is not None:

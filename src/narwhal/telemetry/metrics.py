@@ -205,6 +205,40 @@ class Metrics:
         self.lease_acquisitions = Counter(
             "narwhal_lease_acquisitions", "Lease acquisitions by this router", registry=r
         )
+        self.etcd_compactions = Counter(
+            "narwhal_etcd_compactions",
+            "etcd history compactions by the lease holder, by result",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "already_compacted", "failed"):
+            self.etcd_compactions.labels(result)  # exported at 0 before the first tick
+        self.etcd_db_size = Gauge(
+            "narwhal_etcd_db_size_bytes",
+            "etcd's database size (dbSize) as last read; 0 before the first read",
+            registry=r,
+        )
+        self.etcd_db_size_in_use = Gauge(
+            "narwhal_etcd_db_size_in_use_bytes",
+            "The part of etcd's database in use (dbSizeInUse) as last read",
+            registry=r,
+        )
+        self.etcd_alarm = Gauge(
+            "narwhal_etcd_alarm_active",
+            "1 while etcd reports the alarm (NOSPACE: writes refused)",
+            ["alarm"],
+            registry=r,
+        )
+        for alarm in ("NOSPACE", "CORRUPT"):
+            self.etcd_alarm.labels(alarm)
+        self.etcd_status_reads = Counter(
+            "narwhal_etcd_status_reads",
+            "Reads of etcd's status and alarms, by result",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "failed"):
+            self.etcd_status_reads.labels(result)
 
         self.eligible_engines = Gauge(
             "narwhal_eligible_engines", "Eligible engines per role", ["role"], registry=r
