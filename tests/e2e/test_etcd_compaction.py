@@ -32,7 +32,7 @@ from tests.support.router import RunningRouter, router_config
 pytestmark = pytest.mark.slow
 
 QUOTA_BYTES = 2 * 1024 * 1024
-WRITES = 3000  # 1.5 KB each: twice the quota (without compaction ~1,000 writes fill it)
+WRITES = 2500  # 1.5 KB each: 1.7 times the quota (without compaction ~1,000 writes fill it)
 COMPACTION_S = 0.5
 ENGINES = [  # never contacted (see above); four make a handoff of about 1.5 KB
     {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"},
@@ -159,7 +159,7 @@ async def test_compaction_keeps_etcd_under_its_quota(
     # The history written is well past the quota, yet the database stays far below it and
     # stops growing: of what the second half wrote, less than a quarter shows as growth
     # (bbolt's free pages are reused; the rest is fragmentation and a tick's slack).
-    assert end_writes * doc_bytes > 1.8 * QUOTA_BYTES
+    assert end_writes * doc_bytes > 1.5 * QUOTA_BYTES
     assert max(sizes) < QUOTA_BYTES // 2
     assert end_size - half_size < second_half_bytes / 4
     # Old revisions are gone, read back as compacted; the holder counted its compactions.
