@@ -8,6 +8,7 @@ leg with the handoff the prefill returned, spliced into the original body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -89,6 +90,7 @@ class Client:
         self._session: aiohttp.ClientSession | None = None
         self._counter = itertools.count()
         self._rr = itertools.count()
+        self._ready_url: str | None = None  # spec.failover: the router answering /ready 200
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -115,7 +117,14 @@ class Client:
         result = RunResult(spec.name)
         tally = _Tally(stall_ms=spec.stall_ms)
         cpu0 = time.process_time()
-        await self._loop(spec, session, bodies, result, tally, warmup=False)
+        follow = asyncio.create_task(self._follow(spec, session)) if spec.failover else None
+        try:
+            await self._loop(spec, session, bodies, result, tally, warmup=False)
+        finally:
+            if follow is not None:
+                follow.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follow
         result.client_cpu_s = time.process_time() - cpu0
         result.latency_ms = summary(x * 1000 for x in tally.latencies)
         result.ttft_ms = summary(x * 1000 for x in tally.ttfts)
@@ -123,6 +132,22 @@ class Client:
         span = tally.window[1] - tally.window[0]
         result.steady_chunks_per_s = tally.window_chunks / span if span > 0 else 0.0
         return result
+
+    async def _follow(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
+        """Keep `_ready_url` on a router of `spec.failover` that answers /ready 200."""
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        self._ready_url = spec.url
+        while True:
+            for base in spec.failover:
+                try:
+                    async with session.get(base + "/ready", timeout=timeout) as resp:
+                        await resp.read()
+                        if resp.status == 200:
+                            self._ready_url = base + "/v1/completions"
+                            break
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    continue
+            await asyncio.sleep(0.1)
 
     async def paired(self, spec: RunSpec) -> RunResult:
         """Rounds of one request per target in `spec.paired`, in rotated order, one at a time."""
@@ -219,7 +244,8 @@ class Client:
                     first = await self._direct(spec, session, bodies, i, stream, result, tally)
                 else:
                     body = bodies.body(i, stream)
-                    first = await self._post(session, spec.url, body, i, stream, result, tally)
+                    url = self._ready_url if spec.failover and self._ready_url else spec.url
+                    first = await self._post(session, url, body, i, stream, result, tally)
         except TimeoutError:
             outcome = "hung"
         except Failed as exc:

@@ -36,6 +36,9 @@ class RunSpec:
     # Paired (c=1): each round sends one request to each of these ("" = direct) in rotated
     # order, so slow drift in the machine's speed hits every target alike.
     paired: tuple[str, ...] = ()
+    # Routers behind a load balancer (the soak's active/standby pair): each request goes to
+    # the one that last answered /ready 200, polled every 0.1 s as a load balancer would.
+    failover: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,6 +49,7 @@ class RunSpec:
         doc["prefill"] = tuple(doc.get("prefill", ()))
         doc["decode"] = tuple(doc.get("decode", ()))
         doc["paired"] = tuple(doc.get("paired", ()))
+        doc["failover"] = tuple(doc.get("failover", ()))
         return cls(**doc)
 
 

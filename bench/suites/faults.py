@@ -57,7 +57,7 @@ async def run(ctx: Context) -> dict[str, Any]:
                     row = await _one(ctx, scenario, routers[name], engines, fleet, tap)
                 finally:
                     await routers[name].stop()
-                    await _restore(fleet)
+                    await restore(fleet)
                     await ctx.loadgen.reset()
                 rows.append(row)
                 ctx.log(
@@ -88,7 +88,8 @@ def _s(value: float | None) -> str:
     return "never" if value is None else f"{value:5.2f} s"
 
 
-async def _restore(fleet: SimFleet) -> None:
+async def restore(fleet: SimFleet) -> None:
+    """Every engine running, thawed and without faults again."""
     for sim in fleet.sims:
         if sim.proc is None:
             await fleet.start_one(sim)
