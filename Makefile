@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-real test lint typecheck pytest test-fast clean system-deps bench bench-quick
+.PHONY: demo demo-real test lint typecheck pytest test-fast clean system-deps bench bench-quick soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench --mode quick --report bench-results/quick.md --results bench-results
+
+# Chaos soak (docs/benchmarks.md, "Chaos soak"): Narwhal's active/standby pair, then each peer,
+# 3 minutes each under a seeded fault schedule (SEED=n to change it); ~11 min on 2 cores.
+SEED ?= 99
+soak: $(STAMP)
+	$(BIN)/python -m bench --mode soak --seed $(SEED) --report bench-results/soak.md --results bench-results
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

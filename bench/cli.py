@@ -1,4 +1,4 @@
-"""`python -m bench --mode quick|full --report FILE --results DIR [--suites a,b] [--no-peers]`.
+"""`python -m bench --mode quick|full|soak --report FILE --results DIR [--suites a,b] [--no-peers]`.
 
 Starts everything on loopback, runs the suites in order (each bounded in requests and time),
 stops everything, writes DIR/<mode>.json (raw results) and the Markdown report.
@@ -23,7 +23,7 @@ from bench.context import PEER_KINDS, Context, jsonable, load_python, loadavg
 from bench.loadgen.driver import LoadGen
 from bench.modes import MODES
 from bench.report.render import render
-from bench.suites import control, faults, llama, overhead, profile, streams
+from bench.suites import control, faults, llama, overhead, profile, soak, streams
 from bench.tokenizer import write_tokenizer
 from bench.venv import BenchVenv, ensure_venv
 
@@ -35,6 +35,7 @@ SUITES: dict[str, Suite] = {
     "control": control.run,
     "profile": profile.run,
     "llama": llama.run,
+    "soak": soak.run,
 }
 
 
@@ -47,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peers", action="store_true", help="skip installing and running peers")
     p.add_argument("--scenarios", help="fault scenarios to run (default: the mode's)")
     p.add_argument("--routers", help="routers for the fault suite (default: the mode's)")
+    p.add_argument("--seed", type=int, help="the soak schedule's seed (default: the mode's)")
+    p.add_argument("--soak-s", type=float, help="soak seconds per router (default: the mode's)")
     p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
     return p
 
@@ -57,6 +60,10 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, fault_scenarios=tuple(args.scenarios.split(",")))
     if args.routers:
         mode = replace(mode, fault_routers=tuple(args.routers.split(",")))
+    if args.seed is not None:
+        mode = replace(mode, soak_seed=args.seed)
+    if args.soak_s is not None:
+        mode = replace(mode, soak_s=args.soak_s)
     results_dir, work = _prepare(args.results, mode.name)
     started = time.time()
     if args.no_peers:

@@ -1,8 +1,9 @@
-"""Run sizes: `quick` (a smoke test, under a minute) and `full` (docs/benchmarks.md, ~18 min)."""
+"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~18 min) and
+`soak` (the chaos soak alone: 3 minutes per router, Narwhal then each peer)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,10 @@ class Mode:
     llama_threads: int
     # the suites a run without --suites runs
     suites: tuple[str, ...]
+    # chaos soak (bench.suites.soak): seconds per router, the schedule's seed, peers too?
+    soak_s: float = 60.0
+    soak_seed: int = 99
+    soak_routers: tuple[str, ...] = ("narwhal", "vllm-router", "sglang-router")
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
@@ -105,3 +110,5 @@ MODES = {
         suites=("overhead", "streams", "faults", "control", "profile", "llama"),
     ),
 }
+
+MODES["soak"] = replace(MODES["quick"], name="soak", suites=("soak",), soak_s=180.0)

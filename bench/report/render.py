@@ -13,6 +13,7 @@ from bench.report import (
     method,
     overhead,
     profile,
+    soak,
     streams,
     targets,
 )
@@ -44,6 +45,7 @@ SUITES = (
     ("faults", "Goodput under faults", faults.render),
     ("control", "Control-plane cost", control.render),
     ("profile", "Hot-path profile (Narwhal)", profile.render),
+    ("soak", "Chaos soak", soak.render),
     ("llama", "Real engines: time to first token with and without the PD split", llama.render),
 )
 
