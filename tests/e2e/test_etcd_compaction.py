@@ -24,7 +24,8 @@ import pytest
 
 from narwhal.config import parse_config
 from narwhal.server import Router
-from narwhal.state.lease import Role
+from narwhal.state.etcd_store import EtcdLeaseStore, EtcdRefused
+from narwhal.state.lease import LeaseRecord, Role
 from tests.support.etcd import EtcdServer
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, router_config
@@ -194,3 +195,24 @@ async def test_without_compaction_the_same_writes_fill_the_quota(
     assert active.router.ownership is not None
     keeper = active.router.ownership.keeper
     await eventually(lambda: keeper.role is Role.FENCED, timeout_s=10, what="fenced")
+
+
+async def test_the_stores_maintenance_calls_against_real_etcd(etcd_server: EtcdServer) -> None:
+    """status, alarms and compact over the gateway: compacting again is `False` (fine), a
+    future revision is an error answer carrying etcd's message."""
+    key = f"/narwhal-test/{uuid.uuid4().hex}/lease"
+    store = EtcdLeaseStore((etcd_server.client_url,), key, timeout_s=2.0)
+    try:
+        assert await store.swap(None, LeaseRecord("router-a", 1, time.time() + 10))
+        assert await store.write_handoff("router-a", 1, b"{}")
+        status = await store.status()
+        assert status.revision >= 2 and status.db_size_bytes > 0
+        assert status.db_size_in_use_bytes is not None
+        assert await store.alarms() == frozenset()
+        assert await store.compact(status.revision - 1) is True
+        assert await store.compact(status.revision - 1) is False  # already compacted
+        with pytest.raises(EtcdRefused, match="future revision"):
+            await store.compact(status.revision + 1000)
+        assert "compacted" in (etcd_server.range_error(key, status.revision - 2) or "")
+    finally:
+        await store.close()
