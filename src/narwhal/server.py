@@ -398,6 +398,7 @@ class Router:
             self.admission.reason("lease"),
             self.admission.reason("monitor"),
             self.roles_without_capacity(),
+            self.fleet.roles_without_verified(),
         )
         self.metrics.ready.set(0 if reason else 1)
         return reason
@@ -422,6 +423,8 @@ class Router:
                     "role": e.role.value,
                     "kv_role": e.config.effective_kv_role.value,
                     "eligible": self.fleet.eligible(e, now),
+                    "verified": e.verified,
+                    "unverified_reason": e.unverified_reason,
                     "ejected": e.ejected is not None,
                     "ejection": e.ejected.admin_json() if e.ejected else None,
                     "holds": [h.name.value for h in holds],
@@ -481,14 +484,20 @@ class Router:
             await site.start()
             bound = runner.addresses[0][1] if runner.addresses else port
             log.info("narwhal listening on http://%s:%s", host, bound)
-            if on_ready is not None:
-                on_ready(bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:
                     tg.create_task(self.etcd_status.run())
+                if self.is_active():
+                    # Right after binding (a port in use fails before any engine is asked),
+                    # before `on_ready` and the first pass, within engine.health_timeout_s:
+                    # until it ends /ready says `starting`, never routing to an unverified
+                    # engine (docs/monitor.md#engine-verification).
+                    await self.health.startup_sweep(self.clock.monotonic())
+                if on_ready is not None:
+                    on_ready(bound)
                 tg.create_task(
                     self.monitor.run_forever(
                         self.config.controller.monitor_interval_s, should_run=self.is_active

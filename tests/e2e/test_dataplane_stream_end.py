@@ -159,6 +159,7 @@ class LingeringEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", _ok)
+        app.router.add_get("/v1/models", _models)  # verified: serves demo-model
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -169,6 +170,11 @@ class LingeringEngine:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+
+async def _models(_: web.Request) -> web.Response:
+    """vLLM's model list naming the served model, so the router verifies this fake."""
+    return web.json_response({"object": "list", "data": [{"id": "demo-model"}]})
 
 
 async def _ok(_: web.Request) -> web.Response:

@@ -335,11 +335,17 @@ class NixlEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", _health)
+        app.router.add_get("/v1/models", _models)  # verified: serves demo-model
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+
+async def _models(_: web.Request) -> web.Response:
+    """vLLM's model list naming the served model, so the router verifies this fake."""
+    return web.json_response({"object": "list", "data": [{"id": "demo-model"}]})
 
 
 async def _health(_: web.Request) -> web.Response:

@@ -40,6 +40,7 @@ from narwhal.control.stages import consolidation_risk
 from narwhal.state.handoff import build_document
 from narwhal.telemetry.metrics import Metrics
 from tests.support.etcd import free_port
+from tests.support.fleet import verify_all
 from tests.support.router import router_config
 from tests.support.sim_process import SimFactory
 
@@ -69,11 +70,11 @@ def write_config(path: Path, engines: list[dict[str, Any]], tmp_path: Path) -> P
 @pytest.fixture
 def files(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
     """A config file and a handoff written for it: p1 drained, d1 ejected and quarantined,
-    p0 under inference verification, generations known."""
+    p0 under inference verification, generations known, every engine verified."""
     config_path = write_config(tmp_path / "narwhal.yaml", ENGINES, tmp_path)
     config = parse_config(yaml.safe_load(config_path.read_text()))
     clock = FakeClock(wall=1_700_000_000.0)  # in the past: validate refuses future times
-    fleet = Fleet(config.engines)
+    fleet = verify_all(Fleet(config.engines))  # a fleet that was serving
     lifecycle = Lifecycle(config, fleet, Metrics(), clock)
     now = clock.monotonic()
     lifecycle.hold(fleet.get("p1"), HoldName.OPERATOR_DRAIN, "operator request", now)
@@ -97,10 +98,12 @@ def test_show_prints_the_document(files: tuple[Path, Path, dict[str, Any]]) -> N
     assert lines[2] == "lease {'backend': 'file', 'holder': 'router-a', 'epoch': 3}"
     engine_lines = {line.split()[0]: line.split() for line in lines[4:8]}
     assert engine_lines["d1"][1:] == [
-        "decode", "ejected=connection", "holds=failure_quarantine", "generation=None"
+        "decode", "ejected=connection", "holds=failure_quarantine", "generation=None",
+        "verified=True",
     ]  # fmt: skip
     assert engine_lines["p1"][1:] == [
-        "prefill", "ejected=-", "holds=operator_drain", "generation=None"
+        "prefill", "ejected=-", "holds=operator_drain", "generation=None",
+        "verified=True",
     ]  # fmt: skip
     assert engine_lines["p0"][3] == "holds=inference_verification"
     assert engine_lines["d0"][4] == "generation=1799999000.5"

@@ -174,7 +174,7 @@ def test_json_log_lines_include_engine_transitions(tmp_path: Path) -> None:
     ejections = {m["id"]: m for m in transitions(events) if m["after"] == "ejected"}
     assert set(ejections) == {"p0", "d0"}, messages
     for m in ejections.values():
-        assert m["before"] == "in-service"
+        assert m["before"] == "unverified"  # nothing listens: never seen healthy (DESIGN §10)
         assert m["reason"].startswith("ejected: liveness: 2 silent health sweeps")
     transition_events = [e for e in events if TRANSITION.match(e["message"])]
     assert {e["logger"] for e in transition_events} == {"narwhal.fleet"}

@@ -28,6 +28,7 @@ from narwhal.control.fleet import EngineState
 from narwhal.control.holds import HoldName
 from narwhal.control.stages import SmallStages, consolidation_risk, rebalance_candidate
 from narwhal.server import Router
+from tests.support.fleet import verify_all
 from tests.support.poll import eventually
 from tests.support.router import router_config
 
@@ -91,7 +92,9 @@ def make_rig(tmp_path: Path, engines: list[dict[str, Any]] = PD_FLEET, **control
     clock = FakeClock()
     config = parse_config(router_config(engines, tmp_path, controller={**CONTROLLER, **controller}))
     Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
-    return Rig(Router(config, clock=clock), clock)
+    router = Router(config, clock=clock)
+    verify_all(router.fleet)  # a serving fleet, already seen healthy
+    return Rig(router, clock)
 
 
 def handoff_document(rig: Rig) -> Any:

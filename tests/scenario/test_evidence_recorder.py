@@ -24,6 +24,7 @@ from narwhal.control.holds import HoldName
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
 from narwhal.server import Router
 from narwhal.telemetry.metrics import Metrics
+from tests.support.fleet import verify_all
 
 C = FailureClass
 ALL = frozenset(FailureClass)
@@ -86,7 +87,7 @@ class Rig:
 
 
 def rig(eject_after: int = EJECT_AFTER) -> Rig:
-    fleet = Fleet(config().engines)
+    fleet = verify_all(Fleet(config().engines))
     metrics = Metrics()
     r = Rig(fleet, metrics, EvidenceRecorder(fleet, metrics, eject_after))
     r.recorder.on_action(lambda *args: r.actions.append(args))
@@ -237,6 +238,7 @@ def test_a_streak_on_another_engine_does_not_fire_for_this_one() -> None:
 def test_router_ejects_on_a_connection_streak() -> None:
     clock = FakeClock()
     router = Router(config(eject_after=2, failure_quarantine_s=20), clock=clock)
+    verify_all(router.fleet)
     router.evidence.failure("p0", EngineFailure(C.CONNECTION, "refused"), "prefill")
     assert router.fleet.get("p0").ejected is None
     router.evidence.failure("p0", EngineFailure(C.CONNECTION, "refused"), "prefill")
@@ -252,6 +254,7 @@ def test_router_ejects_on_a_connection_streak() -> None:
 def test_router_pauses_new_requests_on_an_inference_streak(cls: FailureClass) -> None:
     clock = FakeClock()
     router = Router(config(eject_after=2), clock=clock)
+    verify_all(router.fleet)
     for _ in range(2):
         router.evidence.failure("p0", EngineFailure(cls, "bad"), "prefill")
     p0 = router.fleet.get("p0")
@@ -328,6 +331,7 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
     )
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)
     await router.client.start()
     try:
         yield Live(router, clock, engine)

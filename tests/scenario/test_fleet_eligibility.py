@@ -27,6 +27,7 @@ from narwhal.control.readiness import ready_reason
 from narwhal.engine.failures import FailureClass
 from narwhal.server import Router
 from narwhal.telemetry.metrics import Metrics
+from tests.support.fleet import verify_all
 
 HARD_HOLDS = (
     HoldName.OPERATOR_DRAIN,
@@ -72,7 +73,7 @@ class World:
 def world(cfg: Config | None = None) -> World:
     cfg = cfg or config()
     clock = FakeClock()
-    fleet = Fleet(cfg.engines)
+    fleet = verify_all(Fleet(cfg.engines))  # a serving fleet, already seen healthy
     metrics = Metrics()
     return World(cfg, clock, fleet, Lifecycle(cfg, fleet, metrics, clock), metrics)
 
@@ -250,6 +251,7 @@ def test_a_confirmed_failure_removes_even_the_last_engine(victim: str, role: str
     cfg = config(prefill=1, decode=1)
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)
     assert router.ready() is None
     engine = router.fleet.get(victim)
     router.lifecycle.eject(engine, FailureClass.CONNECTION.value, "refused", clock.monotonic())
@@ -264,6 +266,7 @@ def test_ejecting_both_last_engines_reports_prefill_first() -> None:
     cfg = config(prefill=1, decode=1)
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)
     for engine_id in ("d0", "p0"):
         router.lifecycle.eject(router.fleet.get(engine_id), "liveness", "silent", clock.monotonic())
     assert router.ready() == "no capacity: prefill"
@@ -273,6 +276,7 @@ def test_a_confirmed_failure_on_a_drift_held_last_engine_removes_it() -> None:
     cfg = config(prefill=1, decode=1)
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)
     p0 = router.fleet.get("p0")
     router.lifecycle.hold(p0, HoldName.PERFORMANCE_DRIFT, "slow", clock.monotonic())
     assert router.ready() is None  # protected
@@ -295,6 +299,7 @@ async def http_without(tmp_path: Path, *ejected: str) -> AsyncIterator[TestClien
     )
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)
     for engine_id in ejected:
         router.lifecycle.eject(
             router.fleet.get(engine_id), "connection", "refused", clock.monotonic()
@@ -442,6 +447,7 @@ async def test_the_admin_ejection_record_names_the_class(tmp_path: Path, cause: 
     cfg = config(prefill=1, decode=1)
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)
     d0 = router.fleet.get("d0")
     d0.evidence[FailureClass.STREAM] = 2
     router.lifecycle.eject(d0, cause, "the reason", clock.monotonic())

@@ -25,6 +25,7 @@ from narwhal.control.probes import InferenceProber, ProbeResult, Verdict
 from narwhal.engine.adapter import PrefillReply
 from narwhal.engine.failures import EngineFailure, FailureClass
 from narwhal.server import Router
+from tests.support.fleet import verify_all
 
 C = FailureClass
 IV = HoldName.INFERENCE_VERIFICATION
@@ -135,6 +136,7 @@ def rig(cfg: Config | None = None) -> Rig:
     cfg = cfg or config()
     clock = FakeClock()
     router = Router(cfg, clock=clock)
+    verify_all(router.fleet)  # a serving fleet, already seen healthy
     legs = FakeLegs()
     prober = FakeProber(
         cfg,

@@ -26,6 +26,7 @@ from narwhal.control.monitor import STAGE_ORDER, Monitor
 from narwhal.engine.failures import FailureClass
 from narwhal.server import Router
 from narwhal.telemetry.metrics import Metrics
+from tests.support.fleet import verify_all
 
 LIMIT = 3
 
@@ -343,6 +344,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     clock = FakeClock()
     telemetry = Telemetry()
     router = Router(config, clock=clock, stage_overrides={"telemetry": telemetry})
+    verify_all(router.fleet)  # a serving fleet, already seen healthy
     await router.client.start()
     try:
         async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
@@ -462,4 +464,5 @@ async def test_a_restarted_router_starts_with_a_fresh_streak(served: Served) -> 
     restarted = Router(served.router.config, clock=served.clock)
     assert restarted.monitor.status.streak == 0
     assert restarted.admission.admitting
-    assert restarted.ready() is None
+    # Not degraded: a restart without --resume only waits to see its engines healthy again.
+    assert restarted.ready() == "starting: no verified prefill engine"

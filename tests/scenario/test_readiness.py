@@ -1,7 +1,8 @@
 """What `/ready` says: `ready_reason` as a table (DESIGN §3, spec "Monitoring and readiness").
 
 Precedence, first that applies wins: the lease (standby or fenced), monitoring degraded,
-then capacity per role in the order prefill, decode, both. None means ready (200 `ready`).
+then `starting: no verified <role> engine` (DESIGN §10), then capacity; roles in the order
+prefill, decode, both. None means ready (200 `ready`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,43 @@ def test_ready_reason(
     lease: str | None, monitor: str | None, roles: Sequence[Role], expected: str | None
 ) -> None:
     assert ready_reason(lease, monitor, roles) == expected
+
+
+STARTING_P = "starting: no verified prefill engine"
+STARTING_D = "starting: no verified decode engine"
+STARTING_B = "starting: no verified both engine"
+
+STARTING: list[tuple[str | None, str | None, Sequence[Role], Sequence[Role], str | None]] = [
+    # lease    monitor  no capacity  unverified  -> reason
+    (None, None, [P, D], [P, D], STARTING_P),
+    (None, None, [D], [D], STARTING_D),
+    (None, None, [B], [B], STARTING_B),
+    (None, None, [], [D], STARTING_D),  # unverified wins even if capacity were reported
+    # starting order is prefill, decode, both, whatever order the roles come in
+    (None, None, [D, P], [D, P], STARTING_P),
+    (None, None, [B, D], [B, D], STARTING_D),
+    # starting before no capacity, whichever role each names
+    (None, None, [P, D], [D], STARTING_D),
+    (None, None, [P], [D], STARTING_D),
+    # lease and monitor before starting
+    (LEASE, None, [P, D], [P, D], LEASE),
+    (FENCED, MONITOR, [D], [D], FENCED),
+    (None, MONITOR, [P, D], [P, D], MONITOR),
+    # nothing unverified: capacity as before
+    (None, None, [D], [], "no capacity: decode"),
+    (None, None, [], [], None),
+]
+
+
+@pytest.mark.parametrize(("lease", "monitor", "roles", "unverified", "expected"), STARTING)
+def test_starting_comes_after_lease_and_monitor_and_before_capacity(
+    lease: str | None,
+    monitor: str | None,
+    roles: Sequence[Role],
+    unverified: Sequence[Role],
+    expected: str | None,
+) -> None:
+    assert ready_reason(lease, monitor, roles, unverified) == expected
 
 
 def test_ready_reason_does_not_mutate_its_input() -> None:

@@ -3,8 +3,8 @@
 `build_document` over a fleet with every kind of state, validated against the shipped JSON
 Schema; `check_document` refusing each bad input with its exact reason; `apply_document`
 restoring roles, ejections, holds (a deadline that passed while the router was down counts
-as passed), inference holds, generations and counters -- and never monitor-failure
-counters. Everything runs on a fake clock; the end-to-end restart is in
+as passed), inference holds, generations, verification (absent: verified) and counters -- and
+never monitor-failure counters. Everything runs on a fake clock; the end-to-end restart is in
 tests/e2e/test_handoff_resume.py.
 """
 
@@ -83,9 +83,13 @@ class Rig:
     def populate(self) -> None:
         """p0 serves (generation known); p1 drained; p2 under inference verification and
         drifting; d0 under planned maintenance; d1 ejected and quarantined; d2 ejected with
-        its quarantine cleared; d3 serves after a readmission."""
+        its quarantine cleared, never verified (it died before its first healthy answer);
+        d3 serves after a readmission. Every other engine was verified."""
         now = self.clock.monotonic()
         fl, lc = self.fleet, self.lifecycle
+        for engine in fl:
+            if engine.id != "d2":
+                lc.verify(engine, True, "health 200, serves 'demo-model'", now)
         fl.get("p0").generation = 1_799_990_000.25
         fl.get("d0").generation = 1_799_990_100.5
         lc.hold(fl.get("p1"), HoldName.OPERATOR_DRAIN, "operator request", now)
@@ -172,7 +176,8 @@ def test_each_engine_carries_role_ejection_holds_verification_and_generation(
     t0, t5 = 1_800_000_000.0, 1_800_000_005.0
     e = saved["engines"]
     assert e["p0"] == {"role": "prefill", "ejection": None, "holds": [],
-                       "inference_verification": None, "generation": 1_799_990_000.25}  # fmt: skip
+                       "inference_verification": None, "generation": 1_799_990_000.25,
+                       "verified": True}  # fmt: skip
     assert e["p1"]["holds"] == [
         {"name": "operator_drain", "reason": "operator request", "since": t0, "deadline": None}
     ]
@@ -195,7 +200,9 @@ def test_each_engine_carries_role_ejection_holds_verification_and_generation(
     assert e["d2"]["ejection"]["at"] == t5
     assert e["d2"]["holds"] == []
     assert e["d3"] == {"role": "decode", "ejection": None, "holds": [],
-                       "inference_verification": None, "generation": None}  # fmt: skip
+                       "inference_verification": None, "generation": None,
+                       "verified": True}  # fmt: skip
+    assert e["d2"]["verified"] is False
 
 
 def test_consolidation_risk_and_counters_are_recorded(saved: dict[str, Any]) -> None:
@@ -361,6 +368,11 @@ SCHEMA_VIOLATIONS = [
         id="bad-role",
     ),
     pytest.param(
+        lambda d: {**d, "engines": {**d["engines"], "p0": {**d["engines"]["p0"], "verified": 1}}},
+        "fails the schema at engines/p0/verified: 1 is not of type 'boolean'",
+        id="verified-not-boolean",
+    ),
+    pytest.param(
         lambda d: {**d, "checksum": "md5:abc"},
         "fails the schema at checksum: 'md5:abc' does not match '^sha256:[0-9a-f]{64}$'",
         id="bad-checksum-format",
@@ -487,6 +499,7 @@ def test_apply_restores_roles_ejections_holds_generations_and_counters(
         assert again.role is engine.role
         assert again.ejected == engine.ejected
         assert again.generation == engine.generation
+        assert again.verified == engine.verified, engine.id
         assert set(again.holds) == set(engine.holds), engine.id
         for name, hold in engine.holds.items():
             assert again.holds[name].reason == hold.reason
@@ -514,6 +527,37 @@ def test_apply_restores_drains_maintenance_and_inference_holds_that_block_placem
     assert HoldName.OPERATOR_DRAIN in later.fleet.get("p1").holds
     assert HoldName.PLANNED_MAINTENANCE in later.fleet.get("d0").holds
     assert HoldName.INFERENCE_VERIFICATION in later.fleet.get("p2").holds
+
+
+def test_an_unverified_engine_is_restored_unverified_and_never_a_candidate(
+    saved: dict[str, Any], config: Config
+) -> None:
+    fresh = restored(saved, config, after_restart(10.0))
+    d2 = fresh.fleet.get("d2")
+    assert d2.verified is False and d2.unverified_reason is not None
+    assert all(e.verified for e in fresh.fleet if e.id != "d2")
+    # Readmitted (the pipeline checks health and the model), it is verified and eligible.
+    fresh.lifecycle.readmit(d2, "verified", fresh.clock.monotonic())
+    assert d2.verified is True and d2.unverified_reason is None
+    assert "d2" in [c.id for c in fresh.fleet.candidates(Role.DECODE, fresh.clock.monotonic())]
+
+
+def test_a_document_without_verified_means_verified(saved: dict[str, Any], config: Config) -> None:
+    """A router that predates verification wrote no `verified` and served from every engine
+    it listed: its document restores them verified (schema 1 keeps the field optional)."""
+    older = {**saved, "engines": {i: _without(e, "verified") for i, e in saved["engines"].items()}}
+    older = seal(older)
+    jsonschema.Draft202012Validator(SCHEMA_JSON).validate(older)
+    fresh = restored(older, config, after_restart(10.0))
+    assert all(e.verified for e in fresh.fleet)
+
+
+def test_a_fresh_fleet_is_unverified_and_the_document_says_so(config: Config) -> None:
+    fresh = Rig(config)
+    doc = fresh.build()
+    assert {e["verified"] for e in doc["engines"].values()} == {False}
+    assert fresh.fleet.candidates(Role.PREFILL, fresh.clock.monotonic()) == []
+    assert fresh.fleet.roles_without_verified() == [Role.PREFILL, Role.DECODE]
 
 
 def test_a_deadline_still_ahead_keeps_its_remaining_time_on_the_new_monotonic_clock(

@@ -1,5 +1,5 @@
 """Restoring a handoff document goes through `Fleet.transition` (DESIGN §8 house style): each
-engine whose ejection or holds change is logged `from -> to (reason)` and counted in
+engine whose ejection, holds or verification change is logged `from -> to (reason)` and counted in
 `narwhal_engine_transitions_total`; re-applying what is already there (a standby following every
 write) logs and counts nothing.
 """
@@ -43,12 +43,16 @@ def test_restoring_logs_and_counts_each_change_once(
 
     caplog.set_level(logging.INFO, logger="narwhal.fleet")
     apply_document(doc, fresh.fleet, fresh.clock)
+    # A new process starts every engine unverified (DESIGN §10); the document restores what
+    # the saving router knew, verification included, so every engine changes once.
     assert lines(caplog) == [
-        f"engine d0: in-service -> held(planned_maintenance) ({REASON})",
-        f"engine d1: in-service -> ejected ({REASON})",
-        f"engine d2: in-service -> ejected ({REASON})",
-        f"engine p1: in-service -> held(operator_drain) ({REASON})",
-        f"engine p2: in-service -> held(inference_verification,performance_drift) ({REASON})",
+        f"engine d0: unverified -> held(planned_maintenance) ({REASON})",
+        f"engine d1: unverified -> ejected ({REASON})",
+        f"engine d2: unverified -> ejected ({REASON})",
+        f"engine d3: unverified -> in-service ({REASON})",
+        f"engine p0: unverified -> in-service ({REASON})",
+        f"engine p1: unverified -> held(operator_drain) ({REASON})",
+        f"engine p2: unverified -> held(inference_verification,performance_drift) ({REASON})",
     ]
 
     def transitions(engine: str, to: str) -> float | None:
@@ -57,7 +61,7 @@ def test_restoring_logs_and_counts_each_change_once(
         )
 
     assert transitions("p1", "held") == 1 and transitions("d1", "ejected") == 1
-    assert transitions("p0", "held") is None and transitions("d3", "in-service") is None
+    assert transitions("p0", "held") is None and transitions("d3", "in-service") == 1
 
     # A standby re-applying the same document: nothing changed, nothing logged or counted.
     caplog.clear()

@@ -24,6 +24,7 @@ from narwhal.engine.adapter import HandoffRefused, PrefillReply
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.transport import ControlPoolBusy, EngineClient
 from narwhal.telemetry.metrics import Metrics
+from tests.support.fleet import verify_all
 from tests.support.router import router_config
 
 
@@ -61,7 +62,7 @@ def _prober(tmp_path: Path, adapter: RefusingDecode) -> tuple[InferenceProber, F
         {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"},
     ]
     config: Config = parse_config(router_config(engines, tmp_path))
-    fleet, metrics, clock = Fleet(config.engines), Metrics(), FakeClock()
+    fleet, metrics, clock = verify_all(Fleet(config.engines)), Metrics(), FakeClock()
     prober = InferenceProber(
         config,
         fleet,

@@ -226,7 +226,7 @@ def _describe_handoff(doc: dict[str, Any]) -> str:
         ejected = e["ejection"]["cause"] if e.get("ejection") else "-"
         lines.append(
             f"{engine_id:12} {e.get('role', '?'):8} ejected={ejected:16} holds={holds}"
-            f" generation={e.get('generation')}"
+            f" generation={e.get('generation')} verified={e.get('verified', True)}"
         )
     lines.append(f"\nconsolidation risk {json.dumps(doc.get('consolidation_risk'))}")
     lines.append(f"counters {json.dumps(doc.get('counters'))}")

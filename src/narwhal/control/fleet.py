@@ -2,6 +2,10 @@
 
 `EngineState` is plain data; `Fleet` owns the states and answers eligibility questions as
 pure reads (`candidates(role, now)` never mutates). Changes go through `transition`.
+
+An engine starts *unverified* (DESIGN §10): it is never a candidate until a healthy answer
+naming the configured model verifies it (or a restored handoff says it was verified), so a
+router started in front of engines still loading routes nothing to them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from narwhal.control.holds import SOFT_HOLDS, Hold, HoldName
 from narwhal.engine.failures import FailureClass
 
 log = logging.getLogger("narwhal.fleet")
+
+NOT_YET_SEEN = "not yet seen healthy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,8 @@ class EngineState:
     holds: dict[HoldName, Hold] = field(default_factory=dict)
     generation: float | None = None
     max_model_len: int | None = None
+    verified: bool = False
+    unverified_reason: str | None = NOT_YET_SEEN  # why not verified yet (None once verified)
 
     @property
     def id(self) -> str:
@@ -69,11 +77,14 @@ class EngineState:
         return {h.name for h in self.active_holds(now)}
 
     def status(self, now: float) -> str:
-        """A one-word summary for transition logs."""
+        """A one-word summary for transition logs: ejected, held(...), unverified or
+        in-service, the first that applies."""
         if self.ejected is not None:
             return "ejected"
         held = sorted(h.name.value for h in self.active_holds(now))
-        return "held(" + ",".join(held) + ")" if held else "in-service"
+        if held:
+            return "held(" + ",".join(held) + ")"
+        return "in-service" if self.verified else "unverified"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +143,14 @@ class Fleet:
         """Engines that may take new work for `role`, with last-engine protection.
 
         Soft holds (drift, quarantine) are honoured only while another engine of the role
-        remains eligible; an expired hold no longer counts (no monitor pass needed).
+        remains eligible; an expired hold no longer counts (no monitor pass needed). An
+        unverified engine is never a candidate, last engine or not.
         """
         base = [
             e
             for e in self._engines.values()
             if e.serves(role)
+            and e.verified
             and e.ejected is None
             and not any(h.name not in SOFT_HOLDS for h in e.active_holds(now))
         ]
@@ -152,6 +165,7 @@ class Fleet:
             e
             for e in self._engines.values()
             if e.serves(role)
+            and e.verified
             and e.ejected is None
             and {h.name for h in e.active_holds(now) if h.name not in SOFT_HOLDS}
             == {HoldName.INFERENCE_VERIFICATION}
@@ -171,3 +185,12 @@ class Fleet:
         if all(e.role is Role.BOTH for e in self._engines.values()):
             return (Role.BOTH,)
         return (Role.PREFILL, Role.DECODE)
+
+    def has_verified(self, role: Role) -> bool:
+        """Whether any engine serving `role` has been verified (ejected or not)."""
+        return any(e.verified and e.serves(role) for e in self._engines.values())
+
+    def roles_without_verified(self) -> list[Role]:
+        """Needed roles that no verified engine serves yet: `/ready` says `starting` for
+        them (an ejected engine that was verified still counts: that is lost capacity)."""
+        return [r for r in self.needed_roles() if not self.has_verified(r)]

@@ -5,13 +5,19 @@ Health: `GET /health` on every engine not ejected, concurrently, over the contro
 per-engine miss counter: a sweep with no response at all is a miss, a sweep in which the engine
 answered (any status, so every successful health response) resets it, and
 `recovery.liveness_misses` consecutive silent sweeps eject the engine.
+
+Verification (DESIGN §10): an unverified engine becomes eligible at its first health 200
+whose `/v1/models` names the configured model. Until then it is checked like any other engine
+(its failures are evidence, its silence counts), so an engine dead at start is ejected and
+comes back through readmission, whose pipeline verifies it. `startup_sweep` runs once at start,
+so a healthy fleet is ready within one health timeout, not one monitor interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import orjson
@@ -44,6 +50,8 @@ class HealthResult:
     answer: Answer
     failure: EngineFailure | None = None
     status: int | None = None
+    models: tuple[str, ...] | None = None  # served models, when `/v1/models` was read
+    models_problem: str | None = None  # why `/v1/models` was not read, when it was tried
 
     @property
     def detail(self) -> str:
@@ -52,6 +60,20 @@ class HealthResult:
         if self.status is not None:
             return f"health answered HTTP {self.status}"
         return "health 200" if self.answer is Answer.OK else "no answer"
+
+
+def verification(result: HealthResult, model: str) -> tuple[bool, str]:
+    """Whether one health answer verifies an engine for `model`, and why (not): a 200 and a
+    `/v1/models` that lists `model` (what vLLM, llama-server's `--alias` and narwhal-sim
+    report). Pure, over the answer."""
+    if result.answer is not Answer.OK:
+        return False, f"waiting for a healthy answer: {result.detail}"
+    if result.models is None:
+        problem = result.models_problem or "not read in time"
+        return False, f"health 200, served model unknown: /v1/models {problem}"
+    if model not in result.models:
+        return False, f"serves {list(result.models)}, not {model!r}"
+    return True, f"health 200, serves {model!r}"
 
 
 async def check_health(
@@ -133,40 +155,100 @@ class HealthStages:
                     self._evidence.success(engine.id, SuccessKind.CLIENT_4XX, "health")
                 else:
                     self._evidence.failure(engine.id, result.failure, "health")
+            if result.answer is not Answer.BUSY:  # BUSY: not asked, says nothing
+                self._verify(engine, result, now)
+
+    def _verify(self, engine: EngineState, result: HealthResult, now: float) -> None:
+        """Apply one answer to an unverified engine; a wrong model is also a warning."""
+        if engine.verified:
+            return
+        ok, reason = verification(result, self._cfg.model)
+        if not ok and result.models is not None and reason != engine.unverified_reason:
+            log.warning("engine %s stays unverified: %s", engine.id, reason)
+        self._lifecycle.verify(engine, ok, reason, now)
+
+    async def startup_sweep(self, now: float) -> None:
+        """At start, before the first pass: check every unverified engine once, concurrently,
+        and verify those that answer healthy with the right model, all within
+        `engine.health_timeout_s` (what has not answered by then waits for the monitor's
+        first pass, which starts right after). It only verifies: failures are recorded by
+        the regular passes, so the start adds no extra evidence or liveness miss."""
+        timeout = self._cfg.engine.health_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout
+        engines = [e for e in self._fleet if not e.verified and e.ejected is None]
+
+        async def one(engine: EngineState) -> None:
+            result = await self._check(engine, timeout, deadline)
+            if result.answer is not Answer.BUSY:
+                self._verify(engine, result, now)
+
+        if not engines:
+            return
+        try:
+            async with asyncio.timeout_at(deadline), asyncio.TaskGroup() as group:
+                for engine in engines:
+                    group.create_task(one(engine))
+        except TimeoutError:
+            log.info("start-up health sweep cut off at engine.health_timeout_s")
+        except Exception as exc:  # never fatal: the monitor's first pass follows at once
+            log.warning("start-up health sweep failed: %s: %s", type(exc).__name__, exc)
+        unverified = sorted(e.id for e in self._fleet if not e.verified)
+        log.info(
+            "start-up health sweep: %d of %d engines verified%s",
+            len(self._fleet) - len(unverified),
+            len(self._fleet),
+            f"; unverified: {unverified}" if unverified else "",
+        )
 
     async def _check(self, engine: EngineState, timeout_s: float, deadline: float) -> HealthResult:
         result = await check_health(self._client, self._adapters, engine, timeout_s)
         if result.answer is Answer.OK:
+            models: tuple[str, ...] | None = None
+            problem: str | None = None
             try:
                 async with asyncio.timeout_at(deadline):
-                    await self._learn(engine)
+                    models, problem = await self._learn(engine)
             except TimeoutError:
                 log.debug("engine %s: learning cut off at the health timeout", engine.id)
+            if models is not None or problem is not None:
+                result = replace(result, models=models, models_problem=problem)
         return result
 
-    async def _learn(self, engine: EngineState) -> None:
+    async def _learn(self, engine: EngineState) -> tuple[tuple[str, ...] | None, str | None]:
         """What a healthy engine's identity and limits are, read once (the adapter's own
-        `learn` is cheap when it knows already)."""
-        if engine.max_model_len is None:
-            await self._learn_model_limit(engine)
+        `learn` is cheap when it knows already); `/v1/models` is read on every answer until
+        the engine is verified. Returns the served models read (or why they were not)."""
+        models: tuple[str, ...] | None = None
+        problem: str | None = None
+        if engine.max_model_len is None or not engine.verified:
+            models, problem = await self._read_models(engine)
         if engine.generation is None:
             generation, _ = await self._adapters(engine.config).generation(engine.config)
             if generation is not None:
                 engine.generation = generation  # so maintenance can compare
         await self._adapters(engine.config).learn(engine.config)
+        return models, problem
 
-    async def _learn_model_limit(self, engine: EngineState) -> None:
-        """Read `max_model_len` from `/v1/models`, for prompt-length checks."""
+    async def _read_models(self, engine: EngineState) -> tuple[tuple[str, ...] | None, str | None]:
+        """The served model ids from `/v1/models` (or why they could not be read), learning
+        `max_model_len` for prompt-length checks on the way."""
         try:
             reply = await control_get(
                 self._client, engine.config, "/v1/models", self._cfg.engine.health_timeout_s
             )
+        except EngineFailure as exc:
+            return None, f"failed: {exc.detail}"
+        if reply.status != 200:
+            return None, f"answered HTTP {reply.status}"
+        try:
             data = orjson.loads(reply.body)["data"]
-            limit = next(m.get("max_model_len") for m in data if m.get("id") == self._cfg.model)
-        except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, StopIteration):
-            return
-        if isinstance(limit, int) and limit > 0:
+            cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return None, "is not an OpenAI model list"
+        limit = next((m.get("max_model_len") for m in cards if m["id"] == self._cfg.model), None)
+        if engine.max_model_len is None and isinstance(limit, int) and limit > 0:
             engine.max_model_len = limit
+        return tuple(m["id"] for m in cards), None
 
     async def liveness(self, now: float) -> None:
         """Count consecutive silent sweeps; any answer (even a 503) ends the run of silence."""

@@ -1,4 +1,5 @@
-"""Engine lifecycle changes: ejection, holds, readmission — all through `Fleet.transition`.
+"""Engine lifecycle changes: verification, ejection, holds, readmission — all through
+`Fleet.transition`.
 
 These are the edge where decisions (evidence actions, probes, operator requests) become
 state; each change is logged `from -> to (reason)` and counted once.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from narwhal.clock import Clock
-from narwhal.config import Config
+from narwhal.config import Config, Role
 from narwhal.control.fleet import Ejection, EngineState, Fleet
 from narwhal.control.holds import Hold, HoldName
 from narwhal.telemetry.metrics import Metrics
@@ -27,10 +28,26 @@ class Lifecycle:
                 metrics.holds_active.labels(engine.id, name.value).set_function(
                     _hold_active(engine, name, clock)
                 )
+        for role in Role:
+            metrics.engines_unverified.labels(role.value).set_function(_unverified(fleet, role))
 
     def _count(self, engine: EngineState, before: str, after: str, reason: str) -> None:
         if before != after:
             self._metrics.transitions.labels(engine.id, after.split("(")[0]).inc()
+
+    def verify(self, engine: EngineState, verified: bool, reason: str, now: float) -> None:
+        """The outcome of one look at an unverified engine: `verified` makes it eligible
+        (DESIGN §10); otherwise a new reason why not is recorded (logged once per change,
+        not once per sweep). A verified engine stays verified: later trouble is evidence."""
+        if engine.verified or (not verified and engine.unverified_reason == reason):
+            return
+
+        def change(e: EngineState) -> None:
+            e.verified = verified
+            e.unverified_reason = None if verified else reason
+
+        label = "verified" if verified else "not verified"
+        self._fleet.transition(engine, now, f"{label}: {reason}", change)
 
     def eject(self, engine: EngineState, cause: str, reason: str, now: float) -> None:
         """Take an engine out of placement (a confirmed failure: no last-engine protection)."""
@@ -106,7 +123,8 @@ class Lifecycle:
         """Return an engine to placement after verification; clears its evidence.
 
         Only a readmission the operator asked for clears an operator drain; automatic
-        readmission (of an ejected engine, or after maintenance) leaves it in place.
+        readmission (of an ejected engine, or after maintenance) leaves it in place. The
+        pipeline checked health and the served model, so the engine is verified too.
         """
         cleared = [
             HoldName.PLANNED_MAINTENANCE,
@@ -120,6 +138,8 @@ class Lifecycle:
             e.ejected = None
             e.evidence.clear()
             e.liveness_misses = 0
+            e.verified = True
+            e.unverified_reason = None
             for name in cleared:
                 e.holds.pop(name, None)
 
@@ -140,3 +160,12 @@ def _hold_active(engine: EngineState, name: HoldName, clock: Clock) -> Callable[
         return float(hold is not None and not hold.expired(clock.monotonic()))
 
     return active
+
+
+def _unverified(fleet: Fleet, role: Role) -> Callable[[], float]:
+    """`narwhal_engines_unverified{role}`, read at scrape time from the fleet's state."""
+
+    def count() -> float:
+        return float(sum(1 for e in fleet if e.role is role and not e.verified))
+
+    return count

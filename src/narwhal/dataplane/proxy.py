@@ -25,6 +25,7 @@ from narwhal.control.admission import Admission
 from narwhal.control.evidence_sink import EvidenceSink
 from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.intervals import IntervalStats
+from narwhal.control.readiness import starting_reason
 from narwhal.dataplane.errors import openai_error, sse_error_event
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
@@ -64,8 +65,10 @@ _SETTLED_OUTCOME = web.RequestKey("narwhal_settled_outcome", str)
 
 
 class NoCapacity(Exception):
-    def __init__(self, role: Role) -> None:
-        super().__init__(f"no capacity: {role.value}")
+    """No eligible engine of `role`: `starting` when none was ever verified (DESIGN §10)."""
+
+    def __init__(self, role: Role, starting: bool = False) -> None:
+        super().__init__(starting_reason(role) if starting else f"no capacity: {role.value}")
         self.role = role
 
 
@@ -296,7 +299,7 @@ class DataPlane:
         if engine_id is None:
             engine_id = least_in_flight(candidates, turn)
         if engine_id is None:
-            raise NoCapacity(role)
+            raise NoCapacity(role, not self._fleet.has_verified(role))
         return self._fleet.get(engine_id)
 
     @contextmanager
@@ -348,9 +351,12 @@ class DataPlane:
                 req, request, deadline, attempt, engine, body, headers, "unified"
             )
         now = self._clock.monotonic()
-        for role in (Role.PREFILL, Role.DECODE):  # /ready's precedence (readiness.py)
-            if not self._fleet.candidates(role, now):
-                raise NoCapacity(role)  # never spend a prefill whose KV nobody can read
+        # Never spend a prefill whose KV nobody can read; /ready's precedence (readiness.py):
+        # a role not yet verified (starting) before a role without capacity.
+        missing = [r for r in (Role.PREFILL, Role.DECODE) if not self._fleet.candidates(r, now)]
+        if missing:
+            starting = [r for r in missing if not self._fleet.has_verified(r)]
+            raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
         prefill = self._place(Role.PREFILL, tried)
         tried.add(prefill.id)
         handoff = await self._prefill_leg(req, deadline, attempt, prefill)

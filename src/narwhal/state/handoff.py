@@ -5,6 +5,10 @@ wall-clock deadlines, generations), consolidation risk, counters and lease owner
 seals it with a checksum. `check_document` decides whether a saved document may be applied
 to the configured fleet; `apply_document` restores it. Monitor-failure counters are never
 part of the document.
+
+Each engine records whether it was `verified` (DESIGN §10); the field is optional in schema 1,
+and a document without it (written by a router that predates verification, which served
+from every engine it lists) means verified.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import orjson
 
 from narwhal.clock import Clock
 from narwhal.config import KV_ROLE_PERMITS, Config, Role
-from narwhal.control.fleet import Ejection, EngineState, Fleet
+from narwhal.control.fleet import NOT_YET_SEEN, Ejection, EngineState, Fleet
 from narwhal.control.holds import Hold, HoldName
 from narwhal.state.atomic import Filesystem, atomic_write
 
@@ -70,6 +74,7 @@ def engine_document(engine: EngineState) -> dict[str, Any]:
             else None
         ),
         "generation": engine.generation,
+        "verified": engine.verified,
     }
 
 
@@ -262,6 +267,7 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
         engine = fleet.get(engine_id)
         engine.role = Role(saved["role"])
         engine.generation = saved["generation"]
+        verified = bool(saved.get("verified", True))  # absent: an older router served from it
         ej = saved["ejection"]
         ejected = (
             Ejection(ej["cause"], ej["reason"], ej["at"], dict(ej["evidence"])) if ej else None
@@ -284,7 +290,7 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
             holds[HoldName.INFERENCE_VERIFICATION] = Hold(
                 HoldName.INFERENCE_VERIFICATION, v["reason"], v["since"]
             )
-        _restore(fleet, engine, ejected, holds, now_mono)
+        _restore(fleet, engine, ejected, holds, verified, now_mono)
     fleet.counters.restore(doc["counters"])
 
 
@@ -293,10 +299,11 @@ def _restore(
     engine: EngineState,
     ejected: Ejection | None,
     holds: dict[HoldName, Hold],
+    verified: bool,
     now_mono: float,
 ) -> None:
-    """Set a saved ejection and holds; a change goes through `Fleet.transition` (logged
-    `from -> to (reason)` and counted), while re-applying what is already there (a standby
+    """Set a saved ejection, holds and verification; a change goes through `Fleet.transition`
+    (logged `from -> to (reason)` and counted), while re-applying what is already there (a standby
     following every write) stays silent."""
 
     def saved_view(h: Hold) -> tuple[object, ...]:  # what the document keeps of a hold
@@ -306,10 +313,16 @@ def _restore(
         e.ejected = ejected
         e.holds.clear()
         e.holds.update(holds)
+        if e.verified != verified:
+            e.verified = verified
+            e.unverified_reason = None if verified else f"{NOT_YET_SEEN} (restored unverified)"
 
-    same = engine.ejected == ejected and {n: saved_view(h) for n, h in engine.holds.items()} == {
-        n: saved_view(h) for n, h in holds.items()
-    }
+    same = (
+        engine.verified == verified
+        and engine.ejected == ejected
+        and {n: saved_view(h) for n, h in engine.holds.items()}
+        == {n: saved_view(h) for n, h in holds.items()}
+    )
     if same:
         change(engine)
     else:

@@ -123,6 +123,12 @@ class Metrics:
             ["engine", "hold"],
             registry=r,
         )
+        self.engines_unverified = Gauge(
+            "narwhal_engines_unverified",
+            "Engines not yet verified (no healthy answer naming the model), by role",
+            ["role"],
+            registry=r,
+        )
         self.evidence_streak = Gauge(
             "narwhal_evidence_streak",
             "Current consecutive failure streak by engine and class",
