@@ -56,6 +56,7 @@ from narwhal.state.handoff import (
 )
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
+from narwhal.telemetry.loop_lag import watch_loop_lag
 from narwhal.telemetry.metrics import Metrics
 from narwhal.telemetry.timeline import Timeline
 
@@ -486,6 +487,7 @@ class Router:
             log.info("narwhal listening on http://%s:%s", host, bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
+                tg.create_task(watch_loop_lag(self.metrics.loop_lag))
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.support.etcd import EtcdServer, free_port
+from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.router import router_config
 from tests.support.sim_process import SimFactory
@@ -421,6 +422,20 @@ async def pair(
         print(p.logs())  # shown by pytest when the test failed
 
 
+# A stall this long would make a 0.3 s /ready poll (`Http.call`) go unanswered.
+STALL_BOUND_S = 0.25
+
+
+async def _loop_lag(http: Http, r: RouterProcess, over_s: float) -> tuple[float, float]:
+    """`r`'s event-loop wake-ups so far, and how many came more than `over_s` late (its
+    `narwhal_event_loop_lag_seconds` histogram; `over_s` must be one of its bucket bounds)."""
+    answer = await http.call("GET", r.url + "/metrics", timeout_s=5.0)
+    assert answer is not None and answer[0] == 200, answer
+    name = "narwhal_event_loop_lag_seconds"
+    total = metric_sum(answer[1], name + "_count")
+    return total, total - metric_sum(answer[1], name + "_bucket", le=str(over_s))
+
+
 async def _wait_ready(http: Http, r: RouterProcess, timeout_s: float) -> float:
     """Poll `r`'s /ready every 20 ms until 200; returns when (monotonic)."""
 
@@ -442,11 +457,17 @@ async def test_killed_active_standby_serves_within_the_bound(pair: Pair) -> None
     standby = await http.lease(b)  # a standby reports the record's time left, not null
     assert standby is not None and standby["role"] == "standby"
     assert 0 < standby["time_left_s"] <= t.ttl_s, standby
+    samples_before, stalls_before = await _loop_lag(http, b, STALL_BOUND_S)
     async with pair.watch() as watch:
         killed = time.monotonic()
         a.kill()
         took_over = await _wait_ready(http, b, timeout_s=t.failover_bound_s + 5)
         await asyncio.sleep(1.5)
+    # Taking over (the last follow, the first passes and handoff writes as the holder) never
+    # stalls the new active's loop: it answers /ready within its normal latency throughout.
+    samples, stalls = await _loop_lag(http, b, STALL_BOUND_S)
+    assert samples > samples_before, "no loop-lag samples during the takeover"
+    assert stalls == stalls_before, f"event-loop stalls over {STALL_BOUND_S}s during takeover"
     failover = took_over - killed
     print(f"FAILOVER backend={pair.backend} kill->ready={failover:.3f}s "
           f"bound={t.failover_bound_s:.2f}s")  # fmt: skip

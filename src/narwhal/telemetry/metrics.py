@@ -10,6 +10,8 @@ from typing import Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from narwhal.telemetry.loop_lag import LAG_BUCKETS_S
+
 M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS_S = (
@@ -202,6 +204,12 @@ class Metrics:
             "Handoff stage duration",
             registry=r,
             buckets=_LATENCY_BUCKETS_S,
+        )
+        self.loop_lag = Histogram(
+            "narwhal_event_loop_lag_seconds",
+            "How late the router's event loop ran a due wake-up (a stall delays everything)",
+            registry=r,
+            buckets=LAG_BUCKETS_S,
         )
 
         self.lease_role = Gauge(
