@@ -172,6 +172,11 @@ async def run_narwhal(setup: Setup, duration_s: float, seed: int, policy: str) -
         "goodput": goodput(result, bad),
         "evidence": {
             "misplaced": [vars_(m) for m in misplaced[:20]],
+            "client_error_5xx": [
+                (round(t - chaos.t0, 2), kind, status)
+                for t, kind, status in bad
+                if status is None or status >= 500
+            ][:20],
             "grew": [vars_(s) for s in grew],
             "stints": [vars_(s) for s in stints],
             "takeovers": chaos.takeovers,
