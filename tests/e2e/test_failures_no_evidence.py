@@ -206,10 +206,15 @@ async def test_requests_refused_while_not_admitting_record_nothing(
         status, raw, _ = await complete(http, rr, stream=stream)
         assert status == 503, raw
         assert "not admitting" in json.loads(raw)["error"]["message"]
+    # A malformed body is the client's whatever the router's state: 400, never a 503 that
+    # tells the client to send it again as is.
+    async with http.post(rr.url + "/v1/completions", data=b'{"prompt": "hi') as resp:
+        assert resp.status == 400, await resp.text()
     assert p0.requests() == [] and d0.requests() == []
     await assert_clean(http, rr)
     text = await get_metrics(http, rr)
     assert sum_metric(text, "narwhal_requests_total", outcome="not_admitted") == 3
+    assert sum_metric(text, "narwhal_requests_total", outcome="bad_request") == 1
 
 
 async def decode_gone(

@@ -158,6 +158,15 @@ class DataPlane:
     async def _handle(
         self, endpoint: Endpoint, request: web.Request, start: float
     ) -> web.StreamResponse:
+        # The body first: a request that is wrong whatever the router's state gets its 4xx
+        # even while admission is closed (a 503 would tell the client to retry it as is).
+        try:
+            raw = await self._read_body(request)
+            req = parse_request(endpoint, raw, self._cfg.model)
+        except BadRequest as exc:
+            return _tag(
+                openai_error(exc.status, exc.message, exc.type, param=exc.param), "bad_request"
+            )
         closed = self._admission.closed_reason()
         if closed is not None:
             return _tag(
@@ -165,13 +174,6 @@ class DataPlane:
                     503, f"not admitting requests: {closed}", "service_unavailable", retry_after_s=1
                 ),
                 "not_admitted",
-            )
-        try:
-            raw = await self._read_body(request)
-            req = parse_request(endpoint, raw, self._cfg.model)
-        except BadRequest as exc:
-            return _tag(
-                openai_error(exc.status, exc.message, exc.type, param=exc.param), "bad_request"
             )
         deadline = start + self._serving.request_timeout_s
         bounded = self._serving.policy == "bounded"
