@@ -12,6 +12,12 @@ from collections.abc import Callable
 import aiohttp
 
 TOO_LONG_WORDS = 5000  # the sims' --max-model-len is 4096 (one token per word)
+# Kinds only the engines can judge (the prompt's token count): a router that is not admitting
+# answers them 503 like any request, which is its state, not the client's error.
+ENGINE_JUDGED = frozenset({"prompt_too_long", "prompt_too_long_stream"})
+
+BadAnswer = tuple[float, str, int | None, str]
+"""(t, kind, status, error message) of one bad request."""
 
 
 def bodies(model: str) -> dict[str, bytes]:
@@ -39,12 +45,12 @@ async def send_bad(
     until: float,
     every_s: float,
     timeout_s: float,
-) -> list[tuple[float, str, int | None]]:
-    """One bad request every `every_s` until `until` (monotonic): (t, kind, status), status 0
-    for a lost connection, None for no answer in time."""
+) -> list[BadAnswer]:
+    """One bad request every `every_s` until `until` (monotonic): (t, kind, status, error
+    message), status 0 for a lost connection, None for no answer in time."""
     kinds = bodies(model)
     names = sorted(kinds)
-    out: list[tuple[float, str, int | None]] = []
+    out: list[BadAnswer] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -56,15 +62,25 @@ async def send_bad(
             kind = rng.choice(names)
             t = time.monotonic()
             status: int | None = None
+            message = ""
             try:
                 async with session.post(
                     base + "/v1/completions", data=kinds[kind], headers=headers
                 ) as resp:
-                    await resp.read()
+                    message = error_message(await resp.read())
                     status = resp.status
             except aiohttp.ClientConnectionError:
                 status = 0  # connection lost (the soak kills routers): reported, not a 5xx
             except (aiohttp.ClientError, OSError, TimeoutError):
                 status = None
-            out.append((t, kind, status))
+            out.append((t, kind, status, message))
     return out
+
+
+def error_message(body: bytes) -> str:
+    """The OpenAI error shape's message, or "" for any other body."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return message if isinstance(message, str) else ""

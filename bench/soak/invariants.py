@@ -11,6 +11,8 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from bench.soak.badreq import ENGINE_JUDGED, BadAnswer
+
 SOFT_HOLDS = ("failure_quarantine", "performance_drift")  # last-engine protection may place
 
 
@@ -37,9 +39,25 @@ def hung(records: Iterable[Sequence[object]], deadline_s: float) -> int:
     return count
 
 
-def client_error_5xx(answers: Iterable[tuple[float, str, int | None]]) -> int:
-    """Malformed or over-long requests (t, kind, status) that got a 5xx (or no answer)."""
-    return sum(1 for _, _, status in answers if status is None or status >= 500)
+def client_error_5xx(answers: Iterable[BadAnswer]) -> int:
+    """Malformed or over-long requests (t, kind, status, message) that got a 5xx (or no
+    answer) because of what they are. Not counted: a 503 `not admitting requests` to a
+    request only the engines can judge (`ENGINE_JUDGED`): every request gets that answer
+    from a router that is not admitting. A malformed body is judged without engines, so any
+    5xx to it counts."""
+    return sum(
+        1
+        for _, kind, status, message in answers
+        if status is None
+        or (
+            status >= 500
+            and not (
+                status == 503
+                and kind in ENGINE_JUDGED
+                and message.startswith("not admitting requests")
+            )
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)

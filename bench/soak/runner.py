@@ -20,7 +20,7 @@ from bench.routers import Engines
 from bench.sims import SimFleet
 from bench.soak import invariants as inv
 from bench.soak import translog
-from bench.soak.badreq import send_bad
+from bench.soak.badreq import BadAnswer, send_bad
 from bench.soak.chaos import Chaos, remove_away
 from bench.soak.pair import TIMINGS, Pair
 from bench.soak.schedule import ROUTER_ONLY, Event, plan
@@ -75,7 +75,7 @@ def _load(
     )
 
 
-def goodput(result: RunResult, bad: list[tuple[float, str, int | None]]) -> dict[str, Any]:
+def goodput(result: RunResult, bad: list[BadAnswer]) -> dict[str, Any]:
     return {
         "requests": result.ok + result.failures + result.hung,
         "ok": result.ok,
@@ -89,9 +89,9 @@ def goodput(result: RunResult, bad: list[tuple[float, str, int | None]]) -> dict
     }
 
 
-def _by_status(bad: list[tuple[float, str, int | None]]) -> dict[str, int]:
+def _by_status(bad: list[BadAnswer]) -> dict[str, int]:
     out: dict[str, int] = {}
-    for _, _, status in bad:
+    for _, _, status, _ in bad:
         key = "no answer" if status is None else "connection lost" if status == 0 else str(status)
         out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
@@ -99,7 +99,7 @@ def _by_status(bad: list[tuple[float, str, int | None]]) -> dict[str, int]:
 
 async def _drive(
     setup: Setup, spec: RunSpec, chaos: Chaos, events: list[Event], url: Any, seed: int
-) -> tuple[RunResult, list[tuple[float, str, int | None]]]:
+) -> tuple[RunResult, list[BadAnswer]]:
     until = chaos.t0 + spec.duration_s
     load = asyncio.create_task(setup.loadgen.run(spec))
     bad = asyncio.create_task(
@@ -173,8 +173,8 @@ async def run_narwhal(setup: Setup, duration_s: float, seed: int, policy: str) -
         "evidence": {
             "misplaced": [vars_(m) for m in misplaced[:20]],
             "client_error_5xx": [
-                (round(t - chaos.t0, 2), kind, status)
-                for t, kind, status in bad
+                (round(t - chaos.t0, 2), kind, status, message)
+                for t, kind, status, message in bad
                 if status is None or status >= 500
             ][:20],
             "grew": [vars_(s) for s in grew],

@@ -17,7 +17,7 @@ def wall_to_mono() -> float:
 
 
 def events(log: Path) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     try:
         text = log.read_text(errors="replace")
     except OSError:

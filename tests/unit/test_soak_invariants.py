@@ -20,9 +20,21 @@ def test_hung_counts_give_ups_and_overlong_requests() -> None:
 
 
 def test_client_error_5xx_counts_5xx_and_no_answer_not_4xx_or_lost_connections() -> None:
-    answers = [(0.0, "no_prompt", 400), (1.0, "too_long", 500), (2.0, "x", None), (3.0, "y", 0)]
+    answers = [
+        (0.0, "no_prompt", 400, ""),
+        (1.0, "prompt_too_long", 502, "upstream failure"),
+        (2.0, "x", None, ""),
+        (3.0, "y", 0, ""),
+    ]
     assert inv.client_error_5xx(answers) == 2
-    assert inv.client_error_5xx([(0.0, "no_prompt", 422)]) == 0
+    assert inv.client_error_5xx([(0.0, "no_prompt", 422, "")]) == 0
+
+
+def test_not_admitting_excuses_only_what_needs_the_engines_to_judge() -> None:
+    closed = "not admitting requests: standby: lease held by router-a"
+    assert inv.client_error_5xx([(0.0, "prompt_too_long_stream", 503, closed)]) == 0
+    assert inv.client_error_5xx([(0.0, "malformed_json", 503, closed)]) == 1
+    assert inv.client_error_5xx([(0.0, "prompt_too_long", 503, "no capacity: prefill")]) == 1
 
 
 @pytest.mark.parametrize(
