@@ -41,10 +41,10 @@ def hung(records: Iterable[Sequence[object]], deadline_s: float) -> int:
 
 def client_error_5xx(answers: Iterable[BadAnswer]) -> int:
     """Malformed or over-long requests (t, kind, status, message) that got a 5xx (or no
-    answer) because of what they are. Not counted: a 503 `not admitting requests` to a
-    request only the engines can judge (`ENGINE_JUDGED`): every request gets that answer
-    from a router that is not admitting. A malformed body is judged without engines, so any
-    5xx to it counts."""
+    answer) because of what they are. Not counted: a 503 that every request gets in that
+    state (`FLEET_STATE_503`: not admitting, no capacity, no verified engine yet) to a request
+    only the engines can judge (`ENGINE_JUDGED`). A malformed body is judged without
+    engines, so any 5xx to it counts."""
     return sum(
         1
         for _, kind, status, message in answers
@@ -52,12 +52,13 @@ def client_error_5xx(answers: Iterable[BadAnswer]) -> int:
         or (
             status >= 500
             and not (
-                status == 503
-                and kind in ENGINE_JUDGED
-                and message.startswith("not admitting requests")
+                status == 503 and kind in ENGINE_JUDGED and message.startswith(FLEET_STATE_503)
             )
         )
     )
+
+
+FLEET_STATE_503 = ("not admitting requests", "no capacity:", "starting:")
 
 
 @dataclass(frozen=True, slots=True)

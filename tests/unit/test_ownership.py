@@ -137,6 +137,7 @@ async def rig(tmp_path: Path) -> Rig:
         ("standby: waiting out the previous lease", False),
         ("fenced: lease lost to router-b", False),
         ("no capacity: prefill", False),
+        ("starting: no verified decode engine", False),
     ],
 )
 def test_counts_toward_takeover(body: str, counts: bool) -> None:

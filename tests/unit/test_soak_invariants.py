@@ -30,11 +30,14 @@ def test_client_error_5xx_counts_5xx_and_no_answer_not_4xx_or_lost_connections()
     assert inv.client_error_5xx([(0.0, "no_prompt", 422, "")]) == 0
 
 
-def test_not_admitting_excuses_only_what_needs_the_engines_to_judge() -> None:
+def test_a_fleet_state_503_excuses_only_what_needs_the_engines_to_judge() -> None:
     closed = "not admitting requests: standby: lease held by router-a"
     assert inv.client_error_5xx([(0.0, "prompt_too_long_stream", 503, closed)]) == 0
     assert inv.client_error_5xx([(0.0, "malformed_json", 503, closed)]) == 1
-    assert inv.client_error_5xx([(0.0, "prompt_too_long", 503, "no capacity: prefill")]) == 1
+    assert inv.client_error_5xx([(0.0, "prompt_too_long", 503, "no capacity: prefill")]) == 0
+    assert inv.client_error_5xx([(0.0, "no_prompt", 503, "no capacity: prefill")]) == 1
+    assert inv.client_error_5xx([(0.0, "prompt_too_long", 503, "server saturated")]) == 1
+    assert inv.client_error_5xx([(0.0, "prompt_too_long", 502, "upstream failure")]) == 1
 
 
 @pytest.mark.parametrize(

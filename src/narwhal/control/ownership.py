@@ -38,10 +38,11 @@ def counts_toward_takeover(ready_body: str) -> bool:
 
     Its own monitor degraded (or any reason we do not know) counts. A peer that says it is a
     standby or fenced is not the active, so its 503 says nothing about the active (counting
-    it made two routers take the lease from each other forever); "no capacity" is the
-    fleet's state, which a takeover would not change.
+    it made two routers take the lease from each other forever); "no capacity" and
+    "starting" (no engine of a role verified yet, e.g. vLLM still loading in a rollout) are
+    the fleet's state, which a takeover would not change: the heir would say the same.
     """
-    return not ready_body.startswith(("standby:", "fenced:", "no capacity:"))
+    return not ready_body.startswith(("standby:", "fenced:", "no capacity:", "starting:"))
 
 
 class Ownership:
