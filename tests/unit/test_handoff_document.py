@@ -177,7 +177,7 @@ def test_each_engine_carries_role_ejection_holds_verification_and_generation(
     e = saved["engines"]
     assert e["p0"] == {"role": "prefill", "ejection": None, "holds": [],
                        "inference_verification": None, "generation": 1_799_990_000.25,
-                       "verified": True}  # fmt: skip
+                       "verified": True, "max_model_len": None}  # fmt: skip
     assert e["p1"]["holds"] == [
         {"name": "operator_drain", "reason": "operator request", "since": t0, "deadline": None}
     ]
@@ -201,7 +201,7 @@ def test_each_engine_carries_role_ejection_holds_verification_and_generation(
     assert e["d2"]["holds"] == []
     assert e["d3"] == {"role": "decode", "ejection": None, "holds": [],
                        "inference_verification": None, "generation": None,
-                       "verified": True}  # fmt: skip
+                       "verified": True, "max_model_len": None}  # fmt: skip
     assert e["d2"]["verified"] is False
 
 
@@ -550,6 +550,26 @@ def test_a_document_without_verified_means_verified(saved: dict[str, Any], confi
     jsonschema.Draft202012Validator(SCHEMA_JSON).validate(older)
     fresh = restored(older, config, after_restart(10.0))
     assert all(e.verified for e in fresh.fleet)
+
+
+def test_a_learned_max_model_len_is_carried_so_an_heir_judges_prompt_lengths_at_once(
+    rig: Rig, config: Config
+) -> None:
+    """A standby runs no pass, so it never reads /v1/models itself: without the saved limit,
+    its first requests after a takeover could not be length-checked (an over-long prompt
+    would reach an engine, whose vLLM-style 500 is charged to it)."""
+    rig.fleet.get("p0").max_model_len = 4096
+    saved = rig.build()
+    assert saved["engines"]["p0"]["max_model_len"] == 4096
+    fresh = restored(saved, config, after_restart(10.0))
+    assert fresh.fleet.get("p0").max_model_len == 4096
+    assert fresh.fleet.get("p1").max_model_len is None
+    # A document without it (an older router's) leaves what the heir knows as it is.
+    fresh.fleet.get("p1").max_model_len = 2048
+    older = seal({**saved, "engines": {i: _without(e, "max_model_len")
+                                       for i, e in saved["engines"].items()}})  # fmt: skip
+    apply_document(older, fresh.fleet, fresh.clock)
+    assert fresh.fleet.get("p1").max_model_len == 2048
 
 
 def test_a_fresh_fleet_is_unverified_and_the_document_says_so(config: Config) -> None:

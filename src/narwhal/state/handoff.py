@@ -75,6 +75,7 @@ def engine_document(engine: EngineState) -> dict[str, Any]:
         ),
         "generation": engine.generation,
         "verified": engine.verified,
+        "max_model_len": engine.max_model_len,
     }
 
 
@@ -267,6 +268,9 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
         engine = fleet.get(engine_id)
         engine.role = Role(saved["role"])
         engine.generation = saved["generation"]
+        if saved.get("max_model_len") is not None:
+            # An heir that never ran a pass can judge prompt lengths from its first request.
+            engine.max_model_len = saved["max_model_len"]
         verified = bool(saved.get("verified", True))  # absent: an older router served from it
         ej = saved["ejection"]
         ejected = (
