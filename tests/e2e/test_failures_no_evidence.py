@@ -190,6 +190,30 @@ async def test_an_engine_400_is_passed_through_and_is_not_evidence(
     await assert_clean(http, rr)
 
 
+async def test_an_engine_500_for_a_prompt_too_long_is_the_clients_400_and_not_evidence(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """When the router cannot judge the length itself (no limit learned yet, as an heir of
+    an older router's handoff; or the counting engine down), the engine's vLLM-style 500 for
+    an over-long prompt is still the client's: a 400, and no evidence against the engine."""
+    p0, d0 = sim_factory.start_many([[*PREFILL, "--max-model-len", "64"], DECODE])
+    rr = await start_router(
+        fleet([p0], [d0]), recovery={"eject_after": 1}, controller={"monitor_interval_s": 30.0}
+    )
+    await eventually(lambda: rr.router.monitor.status.passes >= 1, what="the first pass")
+    for engine in rr.router.fleet:  # no pass runs for 30 s: nothing learns it again
+        engine.max_model_len = None
+    for stream in (False, True, False):
+        status, raw, _ = await complete(http, rr, stream=stream, prompt="word " * 100)
+        assert status == 400, raw
+        error = json.loads(raw)["error"]
+        assert "longer than the maximum model length of 64" in error["message"], error
+        assert error["code"] == 400 and error["type"] == "BadRequestError"
+    assert len(p0.requests()) == 3, "the engine itself judged each prompt"
+    assert d0.requests() == []
+    await assert_clean(http, rr)
+
+
 # ----------------------------------------------------------------------------- refused by us
 async def test_requests_refused_while_not_admitting_record_nothing(
     sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession

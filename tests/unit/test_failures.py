@@ -190,3 +190,24 @@ def test_streaks_are_per_class_and_a_clear_restarts_them() -> None:
     assert fired == []
     recorder.failure("p0", EngineFailure(F.TIMEOUT, "slow"), "prefill")
     assert fired == [("p0", F.TIMEOUT, Action.HEALTH_PROBE)]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        # vLLM's 500 for a prompt over the model's length (the simulator's words too)
+        (500, b'{"error": {"message": "The decoder prompt (length 5000) is longer than the '
+              b'maximum model length of 4096."}}', None),
+        (500, b'{"object": "error", "message": "This model\'s maximum context length is 4096 '
+              b'tokens. However, you requested 5004 tokens"}', None),
+        (500, b'{"error": {"message": "CUDA error: an illegal memory access"}}',
+         F.INFERENCE_STATUS),
+        (500, b"", F.INFERENCE_STATUS),
+        (503, b"is longer than the maximum model length", F.INFERENCE_STATUS),  # only a 500
+        (400, b"anything", None),
+    ],
+)  # fmt: skip
+def test_a_500_for_a_prompt_too_long_is_the_clients(
+    status: int, body: bytes, expected: FailureClass | None
+) -> None:
+    assert classify_status(status, body) is expected

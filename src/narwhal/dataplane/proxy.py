@@ -26,7 +26,7 @@ from narwhal.control.evidence_sink import EvidenceSink
 from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.intervals import IntervalStats
 from narwhal.control.readiness import starting_reason
-from narwhal.dataplane.errors import openai_error, sse_error_event
+from narwhal.dataplane.errors import error_body, openai_error, sse_error_event
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
@@ -324,9 +324,11 @@ class DataPlane:
     def _status_failure(
         self, engine: EngineState, leg: str, status: int, body: bytes, content_type: str
     ) -> Exception:
-        failure_class = classify_status(status)
+        failure_class = classify_status(status, body)
         if failure_class is None:
             self._succeed(engine, leg, SuccessKind.CLIENT_4XX)
+            if status >= 500:  # a vLLM-style 500 for a prompt too long: the client's 400
+                return ClientError(400, _client_error_body(body), "application/json")
             return ClientError(status, body, content_type)
         failure = self._fail(
             engine, leg, EngineFailure(failure_class, f"HTTP {status}", status=status)
@@ -677,6 +679,20 @@ async def _finish(
         _cut_off(request)
         return False
     return True
+
+
+def _client_error_body(engine_body: bytes) -> bytes:
+    """An engine's error, in the OpenAI error shape as a 400 (`{"error": {...}}` or vLLM's
+    flat `{"object": "error", "message": ...}`; any other body's text as the message)."""
+    try:
+        parsed = orjson.loads(engine_body)
+        inner = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+        message = inner.get("message") if isinstance(inner, dict) else None
+    except orjson.JSONDecodeError:
+        message = None
+    if not isinstance(message, str):
+        message = engine_body[:1024].decode(errors="replace")
+    return error_body(message, "BadRequestError", 400, param="prompt")
 
 
 async def _release_at_eof(resp: aiohttp.ClientResponse) -> None:

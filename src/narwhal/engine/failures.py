@@ -7,6 +7,7 @@ works with `EngineFailure` and `FailureClass` only. Successes are `SuccessKind`s
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 
@@ -80,10 +81,27 @@ class ClientError(Exception):
         self.content_type = content_type
 
 
-def classify_status(status: int) -> FailureClass | None:
-    """Map a non-2xx HTTP status to its class; None means a client (4xx) error."""
+def classify_status(status: int, body: bytes = b"") -> FailureClass | None:
+    """Map a non-2xx HTTP status (and, for a 500, its body) to its class; None means a
+    client error."""
     if status in (408, 429):
         return FailureClass.OVERLOAD
-    if 400 <= status < 500:
+    if 400 <= status < 500 or (status == 500 and prompt_too_long(body)):
         return None
     return FailureClass.INFERENCE_STATUS
+
+
+# vLLM's words for a prompt longer than the model allows; some versions answer it with a 500.
+_PROMPT_TOO_LONG = re.compile(
+    rb"is longer than the maximum model length|maximum context length is \d+ tokens"
+)
+
+
+def prompt_too_long(body: bytes) -> bool:
+    """Whether an engine's error body says the prompt exceeds the model's length.
+
+    vLLM answers that case with a 500 (DESIGN §1). The router's own length check stops such
+    prompts first, but cannot when it does not know the limit yet or cannot count (the
+    counting engine is down): then the engine's answer is still the client's error, never
+    evidence against the engine that judged it correctly."""
+    return _PROMPT_TOO_LONG.search(body[:4096]) is not None
