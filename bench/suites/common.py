@@ -5,13 +5,45 @@ from __future__ import annotations
 import math
 import shlex
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from bench.context import CLIENT_GRACE_S, REQUEST_TIMEOUT_S, Context, router_spec
 from bench.loadgen.spec import RunResult, RunSpec
 from bench.procs import reset_peak
 from bench.routers import Engines, Running, start_router
+from bench.sims import SimFlags, SimFleet
+from bench.tap_client import Tap
+
+
+@asynccontextmanager
+async def tapped_fleet(
+    model: str, flags: SimFlags, logs: Path
+) -> AsyncIterator[tuple[SimFleet, Tap, Engines]]:
+    """Two prefill and two decode sims, each behind the tap (which timestamps every leg per
+    engine); the routers are given the tap's URLs. Everything is stopped on exit."""
+    fleet = SimFleet.plan(2, 2, model, flags, logs)
+    tap = Tap(logs / "tap.log")
+    try:
+        await fleet.start()
+        for s in fleet.sims:
+            tap.add(s.name, s.port)
+        await tap.start()
+        yield (
+            fleet,
+            tap,
+            Engines(
+                model,
+                [tap.url(s.name) for s in fleet.role("prefill")],
+                [tap.url(s.name) for s in fleet.role("decode")],
+            ),
+        )
+    finally:
+        await tap.stop()
+        await fleet.stop()
 
 
 async def start_routers(

@@ -14,7 +14,7 @@ from typing import Any
 from bench.context import REQUEST_TIMEOUT_S, Context
 from bench.routers import Engines, Running
 from bench.sims import SimFlags, SimFleet
-from bench.suites.common import measure, run_spec, start_routers
+from bench.suites.common import measure, run_spec, start_routers, tapped_fleet
 from bench.suites.fault_plan import SCENARIOS, Scenario
 from bench.tap_client import Tap
 
@@ -34,17 +34,8 @@ DEADLINES = {
 
 async def run(ctx: Context) -> dict[str, Any]:
     mode = ctx.mode
-    fleet = SimFleet.plan(2, 2, ctx.model, FLAGS, ctx.logs)
-    await fleet.start()
-    tap = Tap(ctx.logs / "tap.log")
-    for s in fleet.sims:
-        tap.add(s.name, s.port)
-    await tap.start()
-    prefill = [tap.url(s.name) for s in fleet.role("prefill")]
-    decode = [tap.url(s.name) for s in fleet.role("decode")]
-    engines = Engines(ctx.model, prefill, decode)
     rows: list[dict[str, Any]] = []
-    try:
+    async with tapped_fleet(ctx.model, FLAGS, ctx.logs) as (fleet, tap, engines):
         for scenario_name in mode.fault_scenarios:
             scenario = SCENARIOS[scenario_name]
             for name in mode.fault_routers:
@@ -65,9 +56,6 @@ async def run(ctx: Context) -> dict[str, Any]:
                     f"hung {row['hung']:3} out {_s(row['out_of_rotation_s'])} "
                     f"back {_s(row['back_s'])}"
                 )
-    finally:
-        await tap.stop()
-        await fleet.stop()
     return {
         "concurrency": CONCURRENCY,
         "max_tokens": MAX_TOKENS,

@@ -11,12 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from bench.context import REQUEST_TIMEOUT_S, Context
-from bench.routers import Engines
-from bench.sims import SimFlags, SimFleet
+from bench.sims import SimFlags
 from bench.soak import runner
-from bench.suites.common import start_routers
+from bench.suites.common import start_routers, tapped_fleet
 from bench.suites.faults import restore
-from bench.tap_client import Tap
 
 FLAGS = SimFlags(itl_ms=5.0, ttft_per_token_ms=0.05)
 POLICY = "bounded"  # Narwhal's retrying policy: what an operator runs for goodput
@@ -24,33 +22,24 @@ POLICY = "bounded"  # Narwhal's retrying policy: what an operator runs for goodp
 
 async def run(ctx: Context) -> dict[str, Any]:
     mode = ctx.mode
-    fleet = SimFleet.plan(2, 2, ctx.model, FLAGS, ctx.logs)
-    await fleet.start()
-    tap = Tap(ctx.logs / "tap.log")
-    for s in fleet.sims:
-        tap.add(s.name, s.port)
-    await tap.start()
-    engines = Engines(
-        ctx.model,
-        [tap.url(s.name) for s in fleet.role("prefill")],
-        [tap.url(s.name) for s in fleet.role("decode")],
-    )
-    setup = runner.Setup(ctx.loadgen, fleet, tap, engines, ctx.work, ctx.model, REQUEST_TIMEOUT_S)
-    out: dict[str, Any] = {
-        "seed": mode.soak_seed,
-        "duration_s": mode.soak_s,
-        "concurrency": setup.concurrency,
-        "max_tokens": setup.max_tokens,
-        "itl_ms": FLAGS.itl_ms,
-        "request_timeout_s": REQUEST_TIMEOUT_S,
-        "client_margin_s": runner.CLIENT_MARGIN_S,
-        "placement_tolerance_s": runner.PLACEMENT_TOLERANCE_S,
-        "fd_tolerance": runner.FD_TOLERANCE,
-        "rss_tolerance_kb": runner.RSS_TOLERANCE_KB,
-        "warm_s": runner.WARM_S,
-        "peers": {},
-    }
-    try:
+    async with tapped_fleet(ctx.model, FLAGS, ctx.logs) as (fleet, tap, engines):
+        setup = runner.Setup(
+            ctx.loadgen, fleet, tap, engines, ctx.work, ctx.model, REQUEST_TIMEOUT_S
+        )
+        out: dict[str, Any] = {
+            "seed": mode.soak_seed,
+            "duration_s": mode.soak_s,
+            "concurrency": setup.concurrency,
+            "max_tokens": setup.max_tokens,
+            "itl_ms": FLAGS.itl_ms,
+            "request_timeout_s": REQUEST_TIMEOUT_S,
+            "client_margin_s": runner.CLIENT_MARGIN_S,
+            "placement_tolerance_s": runner.PLACEMENT_TOLERANCE_S,
+            "fd_tolerance": runner.FD_TOLERANCE,
+            "rss_tolerance_kb": runner.RSS_TOLERANCE_KB,
+            "warm_s": runner.WARM_S,
+            "peers": {},
+        }
         ctx.log(f"soak narwhal: {mode.soak_s:.0f} s, seed {mode.soak_seed}")
         out["narwhal"] = await runner.run_narwhal(setup, mode.soak_s, mode.soak_seed, POLICY)
         ctx.log(f"soak narwhal: {out['narwhal']['invariants']}")
@@ -70,7 +59,4 @@ async def run(ctx: Context) -> dict[str, Any]:
             finally:
                 await routers[name].stop()
                 await restore(fleet)
-    finally:
-        await tap.stop()
-        await fleet.stop()
     return out

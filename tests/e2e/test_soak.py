@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 from bench import procs
 from bench.loadgen.driver import LoadGen
-from bench.routers import Engines
-from bench.sims import SimFlags, SimFleet
+from bench.sims import SimFlags
 from bench.soak.runner import Setup, run_narwhal, schedule
-from bench.tap_client import Tap
+from bench.suites.common import tapped_fleet
 from bench.tokenizer import write_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -31,25 +30,13 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     logs = tmp_path / "logs"
     logs.mkdir()
     model = str(write_tokenizer(tmp_path / "tokenizer"))
-    fleet = SimFleet.plan(2, 2, model, SimFlags(itl_ms=5.0), logs)
-    tap = Tap(logs / "tap.log")
     loadgen = LoadGen(sys.executable, logs / "loadgen.log")
     try:
-        await fleet.start()
-        for s in fleet.sims:
-            tap.add(s.name, s.port)
-        await tap.start()
-        await loadgen.start()
-        engines = Engines(
-            model,
-            [tap.url(s.name) for s in fleet.role("prefill")],
-            [tap.url(s.name) for s in fleet.role("decode")],
-        )
-        yield Setup(loadgen, fleet, tap, engines, tmp_path, model, request_timeout_s=10.0)
+        async with tapped_fleet(model, SimFlags(itl_ms=5.0), logs) as (fleet, tap, engines):
+            await loadgen.start()
+            yield Setup(loadgen, fleet, tap, engines, tmp_path, model, request_timeout_s=10.0)
     finally:
         await loadgen.stop()
-        await tap.stop()
-        await fleet.stop()
         await procs.stop_all()
 
 
