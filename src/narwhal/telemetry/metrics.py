@@ -114,7 +114,10 @@ class Metrics:
             registry=r,
         )
         self.transitions = Counter(
-            "narwhal_engine_transitions", "Engine state transitions", ["engine", "to"], registry=r
+            "narwhal_engine_transitions",
+            "Engine state transitions (`to`: in-service, held, ejected, unverified)",
+            ["engine", "to"],
+            registry=r,
         )
         self.ejections = Counter(
             "narwhal_ejections", "Ejections by engine and cause", ["engine", "cause"], registry=r
@@ -127,7 +130,8 @@ class Metrics:
         )
         self.engines_unverified = Gauge(
             "narwhal_engines_unverified",
-            "Engines not yet verified (no healthy answer naming the model), by role",
+            "Engines not yet verified (no healthy answer naming the configured model yet; not "
+            "eligible), by role (prefill, decode, both), read at scrape time",
             ["role"],
             registry=r,
         )
