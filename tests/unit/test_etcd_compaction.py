@@ -1,14 +1,13 @@
-"""etcd history compaction: the schedule decision, the compactor's ticks, the leadership scope.
+"""etcd history compaction: the schedule decision and the compactor's ticks.
 
 `decide` is table-driven; the compactor runs tick by tick on a fake clock against a fake etcd
-(failures are counted and never fatal, "already compacted" is fine); the scope test runs a
-real `Ownership` loop over an in-memory lease store and shows that a standby and a fenced
-router never compact, and that the holder does.
+(failures are counted and never fatal, "already compacted" is fine). Its schedule in the
+holder's leadership scope runs in virtual time in
+tests/scenario/test_etcd_compaction_schedule.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,13 @@ from pydantic import ValidationError
 
 from narwhal.clock import FakeClock
 from narwhal.config import LeaseConfig, parse_config
-from narwhal.control.fleet import Fleet
-from narwhal.control.ownership import Ownership
 from narwhal.server import Router
 from narwhal.state.etcd_compaction import Compactor, Decision, History, Mark, Result, decide
 from narwhal.state.etcd_status import STATUS_INTERVAL_S, EtcdStatusWatch, status_interval_s
 from narwhal.state.etcd_store import EtcdStatus
-from narwhal.state.handoff import HandoffWriter
-from narwhal.state.lease import LeaseKeeper, LeaseRecord, Role, StoreUnavailable
+from narwhal.state.lease import StoreUnavailable
 from narwhal.telemetry.metrics import Metrics
-from tests.support.poll import eventually
 from tests.support.router import router_config
-from tests.unit.test_lease_keeper import MemoryLeaseStore
 
 INTERVAL_S = 300.0
 
@@ -217,97 +211,3 @@ def test_the_status_is_read_at_least_every_compaction_tick() -> None:
     assert status_interval_s(300.0) == STATUS_INTERVAL_S
     assert status_interval_s(5.0) == 5.0
     assert status_interval_s(0.0) == STATUS_INTERVAL_S  # compaction off: still exported
-
-
-# --------------------------------------------------------------------------- leadership scope
-
-
-class Pair:
-    """router-b's real `Ownership` loop with a compactor as its leadership work; router-a
-    holds the lease in the same in-memory store at first. No `standby.active_url`: router-b
-    takes the lease only when it expires on the fake clock."""
-
-    TICK_S = 0.005  # real seconds between the compactor's ticks
-
-    def __init__(self, tmp_path: Path) -> None:
-        engines = [{"id": "p0", "url": "http://127.0.0.1:9001", "role": "both"}]
-        self.config = parse_config(
-            router_config(
-                engines,
-                tmp_path,
-                router_id="router-b",
-                controller={"monitor_interval_s": 0.005},
-                lease={"backend": "file", "ttl_s": 10, "renew_interval_s": 0.005},
-            )
-        )
-        self.clock = FakeClock()
-        self.store = MemoryLeaseStore(self.clock)
-        self.a = LeaseKeeper("router-a", self.config.lease, self.store, self.clock)
-        self.keeper = LeaseKeeper("router-b", self.config.lease, self.store, self.clock)
-        self.etcd = FakeEtcd()
-        self.metrics = Metrics()
-        self.compactor = Compactor(self.etcd, self.TICK_S, self.metrics, self.clock)
-        fleet = Fleet(self.config.engines)
-        handoff = HandoffWriter(
-            Path(self.config.handoff.path),
-            "router-b",
-            fleet,
-            self.clock,
-            risk=dict,
-            lease=self.keeper.handoff_lease,
-        )
-        self.ownership = Ownership(
-            self.config,
-            self.keeper,
-            fleet,
-            handoff,
-            self.metrics,
-            self.clock,
-            leadership=[self.compactor.run],
-        )
-
-    def steps(self) -> int:
-        return self.store.log.count("read")  # a standby step or a failed renewal reads once
-
-
-async def test_only_the_holder_compacts_and_fencing_stops_it(tmp_path: Path) -> None:
-    pair = Pair(tmp_path)
-    assert await pair.a.try_acquire(preempt=False)
-    await pair.ownership.start(standby=True)
-    loop = asyncio.create_task(pair.ownership.run())
-    try:
-        # Standby: many steps, and not one call to etcd's maintenance API.
-        await eventually(lambda: pair.steps() >= 20, timeout_s=5, what="standby steps")
-        assert pair.keeper.role is Role.STANDBY
-        assert pair.ownership.leading is None
-        assert pair.etcd.status_calls == 0 and pair.etcd.compactions == []
-
-        # The lease expires: router-b holds it, its scope opens, and it compacts.
-        pair.clock.advance(11)
-        await eventually(lambda: pair.keeper.role is Role.ACTIVE, timeout_s=5, what="takeover")
-        await eventually(lambda: pair.ownership.leading is not None, timeout_s=5, what="scope")
-        scope = pair.ownership.leading
-        assert scope is not None
-        await eventually(lambda: pair.etcd.status_calls >= 1, timeout_s=5, what="first tick")
-        pair.etcd.revision = 42
-        pair.clock.advance(Pair.TICK_S)  # the first mark is now one interval old
-        await eventually(lambda: pair.etcd.compactions, timeout_s=5, what="a compaction")
-
-        # Another router takes the lease: router-b fences at its next renewal, its scope is
-        # cancelled, and it makes no maintenance call after that, however long it runs.
-        assert pair.store.record is not None
-        taken = LeaseRecord("router-c", pair.store.record.epoch + 1, pair.clock.wall() + 10)
-        assert await pair.store.swap(pair.store.record, taken)
-        await eventually(lambda: pair.keeper.role is Role.FENCED, timeout_s=5, what="fenced")
-        await eventually(scope.done, timeout_s=5, what="the scope cancelled")
-        assert scope.cancelled()
-        calls = (pair.etcd.status_calls, len(pair.etcd.compactions))
-        pair.clock.advance(Pair.TICK_S)
-        seen = pair.steps()
-        await eventually(lambda: pair.steps() >= seen + 20, timeout_s=5, what="fenced steps")
-        assert (pair.etcd.status_calls, len(pair.etcd.compactions)) == calls
-        assert pair.ownership.leading is None
-    finally:
-        loop.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await loop

@@ -8,7 +8,6 @@ router stops admitting; one fully successful pass reopens admission.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -159,7 +158,7 @@ class Monitor:
             if should_run():
                 await self.run_pass(started)
             elapsed = self._clock.monotonic() - started
-            await asyncio.sleep(max(0.0, interval_s - elapsed))
+            await self._clock.sleep(max(0.0, interval_s - elapsed))
 
     def to_json(self) -> dict[str, Any]:
         st = self.status

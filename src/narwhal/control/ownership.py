@@ -103,7 +103,7 @@ class Ownership:
                         interval = self._cfg.controller.monitor_interval_s
                     self._scope_leadership()
                     self._publish()
-                    await asyncio.sleep(interval)
+                    await self._clock.sleep(interval)
         finally:
             self._group = self.leading = None
             if self._session is not None:

@@ -12,7 +12,6 @@ does to other users of the same etcd.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -101,7 +100,7 @@ class Compactor:
     async def run(self) -> None:
         while True:
             await self.tick()
-            await asyncio.sleep(self.interval_s)
+            await self._clock.sleep(self.interval_s)
 
     async def tick(self) -> Result | None:
         """Read the revision, decide, compact. None when nothing was due."""

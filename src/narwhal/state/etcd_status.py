@@ -7,10 +7,10 @@ calls (`/v3/maintenance/status`, `/v3/maintenance/alarm`) every `interval_s`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Protocol
 
+from narwhal.clock import Clock, SystemClock
 from narwhal.state.etcd_store import EtcdStatus
 from narwhal.telemetry.metrics import Metrics
 
@@ -35,12 +35,20 @@ class EtcdObservable(Protocol):
 
 
 class EtcdStatusWatch:
-    """Reads etcd's status and alarms into the router's gauges."""
+    """Reads etcd's status and alarms into the router's gauges every `interval_s` on
+    `clock` (the real one unless a test injects a fake)."""
 
-    def __init__(self, etcd: EtcdObservable, metrics: Metrics, interval_s: float) -> None:
+    def __init__(
+        self,
+        etcd: EtcdObservable,
+        metrics: Metrics,
+        interval_s: float,
+        clock: Clock | None = None,
+    ) -> None:
         self._etcd = etcd
         self._metrics = metrics
         self.interval_s = interval_s
+        self._clock = clock or SystemClock()
         self.last: EtcdStatus | None = None
         self.alarms: frozenset[str] = frozenset()
         self.error: str | None = None
@@ -48,7 +56,7 @@ class EtcdStatusWatch:
     async def run(self) -> None:
         while True:
             await self.refresh()
-            await asyncio.sleep(self.interval_s)
+            await self._clock.sleep(self.interval_s)
 
     async def refresh(self) -> bool:
         """One read of both; a failure keeps the last values, is logged and counted."""
