@@ -1,8 +1,9 @@
-"""Liveness and pass scheduling end to end: stopped, killed and slow engines; short intervals.
+"""Liveness end to end: stopped, killed and slow engines.
 
 Real faults: SIGSTOP (the process keeps its socket and answers nothing), SIGKILL (the port
-refuses), and a /health that answers slowly. Spec section "Liveness"; DESIGN §3 (passes never
-overlap; a slow pass delays the next).
+refuses), and a /health that answers slowly. Spec section "Liveness". The monitor's schedule
+(a pass every interval, a slow pass delays the next and never overlaps it, `started_at`) runs
+in virtual time in tests/scenario/test_monitor_schedule.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from narwhal.control.monitor import STAGE_ORDER
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -209,100 +209,6 @@ async def test_health_hang_count_then_200_resets_the_counter_without_ejection(
     await log.stop()
     assert state.ejected is None
     assert max(m for m, _ in log.samples) == 2
-
-
-# ------------------------------------------------------------------------------ scheduling
-async def test_short_intervals_run_passes_at_the_interval(
-    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
-) -> None:
-    prefill, d0 = sim_factory.start_many([list(PREFILL), list(DECODE)])
-    rr = await start_router(pd_fleet(prefill, d0), controller={"monitor_interval_s": 0.1})
-    t0 = time.monotonic()
-    await eventually(lambda: rr.router.monitor.status.passes >= 11, timeout_s=5, what="11 passes")
-    elapsed = time.monotonic() - t0
-    assert elapsed >= 0.9, "passes must not run faster than the interval"
-    assert elapsed < 4.0, "0.1 s passes over fast stages must keep their pace"
-    mon = await get_json(http, rr.url + "/admin/monitor")
-    passes = list(reversed(mon["last_passes"]))
-    # Fast stages: one pass per interval, no busy loop and no drift.
-    mean_gap = (passes[-1]["started_at"] - passes[0]["started_at"]) / (len(passes) - 1)
-    assert 0.095 <= mean_gap <= 0.3, mean_gap
-
-
-@pytest.mark.slow
-async def test_slow_passes_never_overlap(
-    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
-) -> None:
-    """A 0.4 s health stage with a 0.1 s interval: the next pass waits for the previous."""
-    prefill, d0 = sim_factory.start_many([list(PREFILL), list(DECODE)])
-    d0.add_fault({"kind": "health_hang", "delay_s": 0.4})
-    inside = {"now": 0, "max": 0}
-    router: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    async def controller(now: float) -> None:
-        inside["now"] += 1
-        inside["max"] = max(inside["max"], inside["now"])
-        await (await router).small.controller(now)
-
-    async def handoff(now: float) -> None:
-        try:
-            await (await router)._handoff_stage(now)
-        finally:
-            inside["now"] -= 1
-
-    rr = await start_router(
-        pd_fleet(prefill, d0),
-        controller={"monitor_interval_s": 0.1},
-        engine={"health_timeout_s": 1.0},
-        router_kwargs={"stage_overrides": {"controller": controller, "handoff": handoff}},
-    )
-    router.set_result(rr.router)
-    await eventually(lambda: rr.router.monitor.status.passes >= 5, timeout_s=10, what="5 passes")
-    mon = await get_json(http, rr.url + "/admin/monitor")
-    assert inside["max"] == 1, "two passes were inside their stages at once"
-
-    passes = list(reversed(mon["last_passes"]))
-    assert len(passes) >= 5
-    for p in passes:
-        assert [s["stage"] for s in p["stages"]] == list(STAGE_ORDER)
-        assert all(s["ok"] for s in p["stages"]), p
-    durations = [sum(s["duration_s"] for s in p["stages"]) for p in passes]
-    assert min(durations) >= 0.39
-    # Consecutive stamps are at least a pass apart (whether a stamp marks the start or the
-    # end of its pass: see test_started_at_is_when_the_pass_started).
-    for i in range(len(passes) - 1):
-        gap = passes[i + 1]["started_at"] - passes[i]["started_at"]
-        assert gap >= min(durations[i], durations[i + 1]) - 0.01, (passes[i], passes[i + 1])
-    # The health checks of d0 kept succeeding (slow, not silent).
-    state = await engine(http, rr, "d0")
-    assert state["liveness_misses"] == 0 and state["ejected"] is False
-
-
-async def test_started_at_is_when_the_pass_started(
-    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
-) -> None:
-    prefill, d0 = sim_factory.start_many([list(PREFILL), list(DECODE)])
-    d0.add_fault({"kind": "health_hang", "delay_s": 0.4})
-    rr = await start_router(
-        pd_fleet(prefill, d0),
-        controller={"monitor_interval_s": 0.1},
-        engine={"health_timeout_s": 1.0},
-    )
-    mon = await eventually(
-        lambda: _monitor_with_passes(http, rr, 2), timeout_s=10, what="two passes"
-    )
-    observed_at = time.time()
-    for p in mon["last_passes"]:
-        duration = sum(s["duration_s"] for s in p["stages"])
-        # A pass that started at `started_at` and lasted `duration` ended before we read it.
-        assert p["started_at"] + duration <= observed_at + 0.01, (p["started_at"], duration)
-
-
-async def _monitor_with_passes(
-    http: aiohttp.ClientSession, rr: RunningRouter, n: int
-) -> dict[str, Any] | None:
-    mon = await get_json(http, rr.url + "/admin/monitor")
-    return mon if mon["passes"] >= n else None
 
 
 # With the defaults (recovery.eject_after 3 = recovery.liveness_misses 3) the health stage's
