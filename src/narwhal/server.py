@@ -21,23 +21,25 @@ from aiohttp import web
 
 from narwhal.clock import Clock, SystemClock
 from narwhal.config import Config
-from narwhal.control.admission import Admission
-from narwhal.control.evidence import Action, EvidenceRecorder
-from narwhal.control.fleet import Fleet
+from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.health import Answer, HealthStages, check_health
-from narwhal.control.holds import HoldName
-from narwhal.control.intervals import IntervalStats
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.monitor import Monitor, Stage
 from narwhal.control.ownership import Ownership
 from narwhal.control.probes import InferenceProber
-from narwhal.control.readiness import ready_reason
 from narwhal.control.readmission import Readmission
 from narwhal.control.stages import SmallStages
 from narwhal.dataplane.proxy import DataPlane
-from narwhal.engine.failures import FailureClass, SuccessKind
+from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.events import SuspectProbe
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.intervals import IntervalStats
+from narwhal.fleet.readiness import ready_reason
+from narwhal.fleet.reducer import Policy
+from narwhal.fleet.store import Fleet
 from narwhal.state.atomic import Filesystem, remove_stale_temps
 from narwhal.state.etcd_compaction import Compactor
 from narwhal.state.etcd_status import EtcdStatusWatch, status_interval_s
@@ -56,6 +58,7 @@ from narwhal.state.handoff import (
 )
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
+from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
 from narwhal.telemetry.metrics import Metrics
 from narwhal.telemetry.timeline import Timeline
@@ -88,7 +91,8 @@ class Router:
         self.clock = clock or SystemClock()
         self._wall_offset_s = self.clock.wall() - self.clock.monotonic()
         self.metrics = Metrics()
-        self.fleet = Fleet(config.engines)
+        self.fleet = Fleet(config.engines, self.clock, Policy.of(config.recovery))
+        watch_fleet(self.fleet, self.metrics, self.clock)
         self.admission = Admission()
         self.client = EngineClient(
             config.serving.max_connections, config.engine.control_connections
@@ -100,10 +104,8 @@ class Router:
             keep=max(10, config.controller.drift_intervals + 1),
         )
         self.timeline = Timeline()
-        self.evidence = EvidenceRecorder(
-            self.fleet, self.metrics, config.recovery.eject_after, stats=self.stats
-        )
-        self.lifecycle = Lifecycle(config, self.fleet, self.metrics, self.clock)
+        self.evidence = EvidenceRecorder(self.fleet, self.clock, stats=self.stats)
+        self.lifecycle = Lifecycle(self.fleet)
         self.dataplane = DataPlane(
             config,
             self.fleet,
@@ -130,7 +132,6 @@ class Router:
             config,
             self.fleet,
             self.client,
-            self.evidence,
             self.lifecycle,
             self.metrics,
             self.clock,
@@ -179,7 +180,7 @@ class Router:
             compaction_s = config.lease.compaction_interval_s
             if isinstance(store, EtcdLeaseStore):
                 interval = status_interval_s(compaction_s)
-                self.etcd_status = EtcdStatusWatch(store, self.metrics, interval)
+                self.etcd_status = EtcdStatusWatch(store, self.metrics, interval, self.clock)
                 if compaction_s > 0:
                     self.compactor = Compactor(store, compaction_s, self.metrics, self.clock)
             keeper = LeaseKeeper(config.effective_router_id, config.lease, store, self.clock)
@@ -216,7 +217,7 @@ class Router:
         )
         self._tasks: asyncio.TaskGroup | None = None
         self._suspects: set[str] = set()
-        self.evidence.on_action(self._on_evidence_action)
+        self.evidence.on_effect(self._on_effect)
 
     async def _telemetry_stage(self, now: float) -> None:
         await self.small.telemetry(now)
@@ -253,41 +254,17 @@ class Router:
         if self._tasks is not None:
             self.readmission.schedule(now, self._tasks.create_task)
 
-    # ------------------------------------------------------------------ evidence actions
-    def _on_evidence_action(
-        self, engine_id: str, cls: FailureClass, action: Action, detail: str
-    ) -> None:
-        engine = self.fleet.get(engine_id)
-        now = self.clock.monotonic()
-        quarantine_s = self.config.recovery.failure_quarantine_s
-        if quarantine_s is not None and action is not Action.EJECT:
-            # A failed engine is quarantined until the deadline unless a successful health
-            # or inference check clears it first (ejection adds its own quarantine).
-            self.lifecycle.hold(
-                engine,
-                HoldName.FAILURE_QUARANTINE,
-                f"{cls.value} streak: {detail}",
-                now,
-                duration_s=quarantine_s,
-            )
-        if action is Action.EJECT:
-            self.lifecycle.eject(engine, cls.value, f"{cls.value} streak: {detail}", now)
-        elif action is Action.HOLD_AND_PROBE:
-            self.lifecycle.hold(
-                engine, HoldName.INFERENCE_VERIFICATION, f"{cls.value} streak: {detail}", now
-            )
-        elif (
-            action is Action.HEALTH_PROBE
-            and self._tasks is not None
-            and engine_id not in self._suspects  # one suspect probe per engine at a time
-        ):
-            self._suspects.add(engine_id)
-            self._tasks.create_task(self._suspect_probe(engine_id, cls))
+    # ------------------------------------------------------------------ effects
+    def _on_effect(self, effect: SuspectProbe) -> None:
+        """Run what the reducer asked for: one suspect probe per engine at a time."""
+        if self._tasks is not None and effect.engine_id not in self._suspects:
+            self._suspects.add(effect.engine_id)
+            self._tasks.create_task(self._suspect_probe(effect.engine_id, effect.failure_class))
 
     async def _suspect_probe(self, engine_id: str, cls: FailureClass) -> None:
         """A timeout or overload streak: a failing health probe confirms it and ejects."""
-        engine = self.fleet.get(engine_id)
         try:
+            engine = self.fleet.get(engine_id)
             if engine.ejected is not None:
                 return
             result = await check_health(
@@ -298,8 +275,7 @@ class Router:
         now = self.clock.monotonic()
         self.metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
         if result.answer is Answer.OK:
-            self.evidence.success(engine_id, SuccessKind.HEALTH_OK, "suspect_probe")
-            self.lifecycle.health_ok(engine, now)
+            self.lifecycle.health_ok(engine, now, "suspect_probe")
         elif result.answer is Answer.BUSY:  # never asked: the streak stands, nothing confirmed
             log.warning("engine %s: suspect probe not run: %s", engine_id, result.failure)
         else:
@@ -440,7 +416,7 @@ class Router:
                     ],
                     "evidence": {c.value: e.evidence.get(c, 0) for c in FailureClass},
                     "liveness_misses": e.liveness_misses,
-                    "in_flight": e.in_flight,
+                    "in_flight": self.fleet.in_flight.of(e.id),
                     "generation": e.generation,
                     "max_model_len": e.max_model_len,
                     "drain_settled": e.id in self.small.drains_settled,

@@ -19,11 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.clock import SystemClock
 from narwhal.config import EngineConfig, Role
-from narwhal.control.fleet import EngineState
 from narwhal.control.health import Answer, check_health
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
+from narwhal.fleet.state import EngineState
 from tests.support.poll import eventually
 from tests.support.router import StartRouter
 from tests.support.sim_process import SimFactory

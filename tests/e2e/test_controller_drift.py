@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.control.holds import HoldName
+from narwhal.fleet.holds import HoldName
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -175,8 +175,8 @@ async def test_a_slow_prefill_engine_gets_the_drift_hold_while_requests_succeed(
         assert stats["consolidation_risk"]["prefill"]["eligible"] == 2
 
         # Held: once its last requests finished, p2 gets no new work; the peers carry it.
-        state = rr.router.fleet.get("p2")
-        await eventually(lambda: state.in_flight == 0, timeout_s=5, what="p2 idle")
+        in_flight = rr.router.fleet.in_flight
+        await eventually(lambda: in_flight.of("p2") == 0, timeout_s=5, what="p2 idle")
         p2.clear_requests()
         before = len(load.statuses)
         await eventually(lambda: len(load.statuses) >= before + 40, what="40 more requests")

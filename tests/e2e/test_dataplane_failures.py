@@ -338,14 +338,14 @@ async def test_engine_4xx_clears_inference_status_evidence(
 ) -> None:
     rr = await _router(start_router, sims)
     sim = sims.prefill if which == PREFILL else sims.decode
-    engine = rr.router.fleet.get("p0" if which == PREFILL else "d0")
+    engine_id = "p0" if which == PREFILL else "d0"
     sim.add_fault({"kind": "completion_status", "status": 500, "leg": which, "count": 1})
     assert (await _complete(http, rr, False)).status == 502
-    assert engine.evidence == {FailureClass.INFERENCE_STATUS: 1}
+    assert rr.router.fleet.get(engine_id).evidence == {FailureClass.INFERENCE_STATUS: 1}
 
     sim.add_fault({"kind": "completion_status", "status": 400, "leg": which, "count": 1})
     assert (await _complete(http, rr, False)).status == 400
-    assert engine.evidence == {}
+    assert rr.router.fleet.get(engine_id).evidence == {}
 
 
 # ------------------------------------------------ dead, stopped and closed engines

@@ -94,7 +94,7 @@ async def test_a_client_that_stops_reading_is_cut_off_at_the_request_deadline(
     )  # fmt: skip
 
     def in_flight() -> int:
-        return int(rr.router.fleet.get("d0").in_flight)
+        return rr.router.fleet.in_flight.of("d0")
 
     started = time.monotonic()
     sock = await _stalled_client(rr.url)

@@ -217,7 +217,7 @@ async def test_done_ends_the_stream_even_if_the_engine_keeps_the_connection_open
         == 1
     )
     await eventually(lambda: lingering.hung_up == 1, timeout_s=5, what="engine connection closed")
-    assert rr.router.fleet.get("d0").in_flight == 0
+    assert rr.router.fleet.in_flight.of("d0") == 0
 
 
 async def test_an_engine_connection_dropped_mid_stream_is_a_connection_failure(
@@ -247,7 +247,7 @@ async def test_an_engine_connection_dropped_mid_stream_is_a_connection_failure(
         await _metric(http, rr, "narwhal_leg_outcomes_total", engine="d0", outcome="connection")
         == 1
     )
-    assert rr.router.fleet.get("d0").in_flight == 0
+    assert rr.router.fleet.in_flight.of("d0") == 0
 
 
 async def test_a_successful_non_streamed_decode_clears_stream_evidence(

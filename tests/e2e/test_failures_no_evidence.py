@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.fleet import force_state
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -165,7 +166,7 @@ async def test_a_client_disconnect_records_nothing_and_aborts_the_legs(
         # it would have finished (5 s of tokens, or a 10 s stall).
         await eventually(lambda: running(target) == 0, timeout_s=2, what="upstream leg aborted")
         await eventually(
-            lambda: all(rr.router.fleet.get(e).in_flight == 0 for e in ("p0", "d0")),
+            lambda: all(rr.router.fleet.in_flight.of(e) == 0 for e in ("p0", "d0")),
             timeout_s=2, what="no request in flight",
         )  # fmt: skip
     await assert_clean(http, rr)
@@ -202,7 +203,7 @@ async def test_an_engine_500_for_a_prompt_too_long_is_the_clients_400_and_not_ev
     )
     await eventually(lambda: rr.router.monitor.status.passes >= 1, what="the first pass")
     for engine in rr.router.fleet:  # no pass runs for 30 s: nothing learns it again
-        engine.max_model_len = None
+        force_state(rr.router.fleet, engine.id, max_model_len=None)
     for stream in (False, True, False):
         status, raw, _ = await complete(http, rr, stream=stream, prompt="word " * 100)
         assert status == 400, raw

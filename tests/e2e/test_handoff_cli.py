@@ -33,12 +33,13 @@ import yaml
 
 from narwhal.clock import FakeClock
 from narwhal.config import parse_config
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.stages import consolidation_risk
+from narwhal.fleet.events import GenerationSeen
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.reducer import Policy
+from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import build_document
-from narwhal.telemetry.metrics import Metrics
 from tests.support.etcd import free_port
 from tests.support.fleet import verify_all
 from tests.support.router import router_config
@@ -74,13 +75,13 @@ def files(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
     config_path = write_config(tmp_path / "narwhal.yaml", ENGINES, tmp_path)
     config = parse_config(yaml.safe_load(config_path.read_text()))
     clock = FakeClock(wall=1_700_000_000.0)  # in the past: validate refuses future times
-    fleet = verify_all(Fleet(config.engines))  # a fleet that was serving
-    lifecycle = Lifecycle(config, fleet, Metrics(), clock)
+    fleet = verify_all(Fleet(config.engines, clock, Policy.of(config.recovery)))  # serving
+    lifecycle = Lifecycle(fleet)
     now = clock.monotonic()
     lifecycle.hold(fleet.get("p1"), HoldName.OPERATOR_DRAIN, "operator request", now)
     lifecycle.hold(fleet.get("p0"), HoldName.INFERENCE_VERIFICATION, "kv_handoff streak", now)
     lifecycle.eject(fleet.get("d1"), "connection", "refused", now)
-    fleet.get("d0").generation = 1_799_999_000.5
+    fleet.apply(GenerationSeen("d0", 1_799_999_000.5), clock.monotonic())
     lease = {"backend": "file", "holder": "router-a", "epoch": 3}
     doc = build_document(fleet, 41, clock.wall(), "router-a", lease, consolidation_risk(fleet, now))
     handoff = tmp_path / "handoff.json"
@@ -366,10 +367,8 @@ def served(sim_factory: SimFactory, tmp_path: Path) -> Iterator[Any]:
     config_path = tmp_path / "narwhal.yaml"
     config_path.write_text(yaml.safe_dump(data))
     config = parse_config(data)
-    fleet = Fleet(config.engines)
-    Lifecycle(config, fleet, Metrics(), FakeClock()).hold(
-        fleet.get("p0"), HoldName.OPERATOR_DRAIN, "operator request", 0.0
-    )
+    fleet = Fleet(config.engines, FakeClock())
+    Lifecycle(fleet).hold(fleet.get("p0"), HoldName.OPERATOR_DRAIN, "operator request", 0.0)
     doc = build_document(fleet, 41, time.time(), "router-a", None, {})
     handoff = Path(config.handoff.path)
     handoff.parent.mkdir(parents=True)

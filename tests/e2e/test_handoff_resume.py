@@ -33,8 +33,9 @@ import pytest
 
 from narwhal.clock import SystemClock
 from narwhal.config import parse_config
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import Hold, HoldName
+from narwhal.fleet.events import HoldRequested
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.store import Fleet
 from narwhal.state.atomic import Filesystem, host_tag
 from narwhal.state.handoff import build_document, load_schema
 from tests.support.poll import eventually
@@ -271,7 +272,11 @@ async def test_an_ejection_survives_and_the_sequence_continues(
     await eventually(written, what="the second router's writes")
     doc = read_doc(router.handoff.path)
     # Monotonic across the restart: the second router's first document was saved + 1.
-    assert router.handoff.sequence == saved["sequence"] + router.handoff.writes
+    # (`accept` sets the last document and the write count together; `sequence` alone may
+    # already be one ahead, taken by a write in progress.)
+    accepted = router.handoff.last_document
+    assert accepted is not None
+    assert accepted["sequence"] == saved["sequence"] + router.handoff.writes
     assert doc["sequence"] > saved["sequence"]
     assert doc["engines"]["d1"]["ejection"] == saved["engines"]["d1"]["ejection"]
     # The engine is still dead: readmission keeps failing and it stays ejected.
@@ -368,12 +373,10 @@ def offline_document(
 ) -> dict[str, Any]:
     """A valid document for `engines` in which every engine is drained (visible if applied)."""
     config = parse_config(router_config(engines, tmp_path))
-    fleet = Fleet(config.engines)
     clock = SystemClock()
+    fleet = Fleet(config.engines, clock)
     for engine in fleet:
-        engine.holds[HoldName.OPERATOR_DRAIN] = Hold(
-            HoldName.OPERATOR_DRAIN, "operator request", clock.wall()
-        )
+        fleet.apply(HoldRequested(engine.id, HoldName.OPERATOR_DRAIN, "operator request"), 0.0)
     return build_document(fleet, sequence, clock.wall(), "router-old", None, {})
 
 
@@ -490,7 +493,11 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
     await eventually(lambda: rr.router.handoff.writes >= 1, what="a fresh document")
     doc = read_doc(path)
     assert doc["writer"]["router_id"] == "test-router"
-    assert rr.router.handoff.sequence == _saved_sequence(refused) + rr.router.handoff.writes
+    # `accept` sets the last document and the write count together; `sequence` alone may
+    # already be one ahead (a number is taken when a write starts).
+    accepted = rr.router.handoff.last_document
+    assert accepted is not None
+    assert accepted["sequence"] == _saved_sequence(refused) + rr.router.handoff.writes
 
 
 def _saved_sequence(raw: bytes | None) -> int:
@@ -536,11 +543,10 @@ async def test_an_inference_verification_hold_is_restored_then_probed_and_cleare
     live: list[dict[str, Any]], start_router: StartRouter, tmp_path: Path
 ) -> None:
     config = parse_config(router_config(live, tmp_path))
-    fleet = Fleet(config.engines)
     clock = SystemClock()
-    fleet.get("p0").holds[HoldName.INFERENCE_VERIFICATION] = Hold(
-        HoldName.INFERENCE_VERIFICATION, "kv_handoff streak: 3 x unreadable", clock.wall()
-    )
+    fleet = Fleet(config.engines, clock)
+    reason = "kv_handoff streak: 3 x unreadable"
+    fleet.apply(HoldRequested("p0", HoldName.INFERENCE_VERIFICATION, reason), 0.0)
     save(Path(config.handoff.path), encode(build_document(fleet, 9, clock.wall(), "r", None, {})))
 
     rr = await start_router(live, router_kwargs={"resume": True})

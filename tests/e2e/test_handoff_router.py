@@ -28,7 +28,8 @@ import orjson
 import pytest
 
 from narwhal.config import parse_config
-from narwhal.control.holds import HoldName
+from narwhal.fleet.events import GenerationSeen
+from narwhal.fleet.holds import HoldName
 from narwhal.server import Router
 from narwhal.state.atomic import Filesystem
 from narwhal.state.handoff import load_schema
@@ -379,7 +380,7 @@ async def populated_router(config: Any, fs: Filesystem | None) -> Router:
     router = Router(config, filesystem=fs)
     now = router.clock.monotonic()
     for i, engine in enumerate(router.fleet):  # a realistic mix of state
-        engine.generation = 1_800_000_000.0 + i
+        router.fleet.apply(GenerationSeen(engine.id, 1_800_000_000.0 + i), now)
         if i % 8 == 1:
             router.operator_drain(engine.id)
         elif i % 8 == 2:

@@ -231,12 +231,13 @@ async def test_a_decode_server_out_of_slots_is_saturation_not_an_engine_failure(
     try:
         serving = {**SECTIONS["serving"], "first_token_timeout_s": 1.0}
         rr = await pd_router(start_router, prefill, one_slot, slot_dir, serving=serving)
-        d1 = rr.router.fleet.get("d1")
         long = asyncio.create_task(
             complete(http, rr, prompt=PROMPT, max_tokens=300, ignore_eos=True)
         )
         await eventually(
-            lambda: d1.in_flight == 1 or long.done(), timeout_s=20, what="d1's one slot taken"
+            lambda: rr.router.fleet.in_flight.of("d1") == 1 or long.done(),
+            timeout_s=20,
+            what="d1's one slot taken",
         )
         assert not long.done(), long.result()
         async with http.post(
@@ -250,6 +251,7 @@ async def test_a_decode_server_out_of_slots_is_saturation_not_an_engine_failure(
         status, body = await long
         assert status == 200, body
         # Waiting for a slot is the router's saturation, never evidence against the engine.
+        d1 = rr.router.fleet.get("d1")
         assert d1.ejected is None and not d1.active_holds_by_name(rr.router.clock.monotonic())
         for outcome in ("timeout", "overload", "connection", "inference_status"):
             assert await leg_outcome(http, rr, engine="d1", outcome=outcome) == 0

@@ -21,10 +21,10 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.control.holds import HoldName
-from narwhal.control.intervals import Window
 from narwhal.control.monitor import STAGE_ORDER
 from narwhal.engine.failures import FailureClass
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.intervals import Window
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory

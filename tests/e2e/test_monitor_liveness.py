@@ -51,13 +51,15 @@ class MissLog:
     """Samples one engine's (liveness misses, ejected) every 5 ms, straight from the router."""
 
     def __init__(self, rr: RunningRouter, engine_id: str) -> None:
-        self.state = rr.router.fleet.get(engine_id)
+        self._fleet = rr.router.fleet
+        self._engine_id = engine_id
         self.samples: list[tuple[int, bool]] = []
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
-            self.samples.append((self.state.liveness_misses, self.state.ejected is not None))
+            state = self._fleet.get(self._engine_id)
+            self.samples.append((state.liveness_misses, state.ejected is not None))
             await asyncio.sleep(0.005)
 
     def misses_before_ejection(self) -> list[int]:
@@ -163,13 +165,13 @@ async def test_any_successful_health_response_resets_the_miss_counter(
         engine=FAST_HEALTH,
     )
     await eventually(lambda: rr.router.monitor.status.passes >= 2, what="two passes")
-    state = rr.router.fleet.get("d1")
+    fleet = rr.router.fleet
 
     d1.freeze()
-    await eventually(lambda: state.liveness_misses >= 2, timeout_s=5, what="two misses")
+    await eventually(lambda: fleet.get("d1").liveness_misses >= 2, timeout_s=5, what="two misses")
     d1.thaw()
-    await eventually(lambda: state.liveness_misses == 0, timeout_s=5, what="counter reset")
-    assert state.ejected is None
+    await eventually(lambda: fleet.get("d1").liveness_misses == 0, timeout_s=5, what="reset")
+    assert fleet.get("d1").ejected is None
 
     # After the reset, a new outage needs the full count again (1, 2, 3 seen, then ejection).
     log = MissLog(rr, "d1")
@@ -196,7 +198,6 @@ async def test_health_hang_count_then_200_resets_the_counter_without_ejection(
     )
     await eventually(lambda: rr.router.monitor.status.passes >= 1, what="first pass")
     log = MissLog(rr, "d1")
-    state = rr.router.fleet.get("d1")
     for _ in range(2):
         start = len(log.samples)
         d1.add_fault({"kind": "health_hang", "delay_s": 1.0, "count": 2})
@@ -207,7 +208,7 @@ async def test_health_hang_count_then_200_resets_the_counter_without_ejection(
 
         await eventually(two_then_reset, timeout_s=15, what="two misses, then a reset")
     await log.stop()
-    assert state.ejected is None
+    assert rr.router.fleet.get("d1").ejected is None
     assert max(m for m, _ in log.samples) == 2
 
 

@@ -132,7 +132,7 @@ async def test_removed_handoff_directory_degrades_then_one_clean_pass_recovers(
 
     # A slow stream (100 tokens, 30 ms apart: ~3 s) admitted before the fault.
     stream = asyncio.create_task(complete(http, rr, stream=True, max_tokens=100))
-    await eventually(lambda: rr.router.fleet.get("d0").in_flight == 1, what="stream on d0")
+    await eventually(lambda: rr.router.fleet.in_flight.of("d0") == 1, what="stream on d0")
 
     watch = Watch(rr)
     shutil.rmtree(state_dir)

@@ -24,11 +24,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from narwhal.clock import FakeClock
 from narwhal.config import ConfigError, Role, parse_config
-from narwhal.control.fleet import EngineState
-from narwhal.control.holds import HoldName
 from narwhal.control.stages import SmallStages, consolidation_risk, rebalance_candidate
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.state import EngineState
 from narwhal.server import Router
-from tests.support.fleet import verify_all
+from tests.support.fleet import set_in_flight, verify_all
 from tests.support.poll import eventually
 from tests.support.router import router_config
 
@@ -387,7 +387,7 @@ def traffic(rig: Rig, requests: Mapping[str, int]) -> None:
 async def test_busiest_share_comes_from_the_last_closed_interval(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     traffic(rig, {"p0": 6, "p1": 3, "p2": 1, "d0": 5, "d1": 5})
-    rig.engine("p1").in_flight = 7  # the instantaneous count plays no part
+    set_in_flight(rig.router.fleet, "p1", 7)  # the instantaneous count plays no part
     await rig.controller()
     assert rig.router.small.risk["prefill"]["busiest_share"] == 0.0  # nothing closed yet
     assert rig.metric("narwhal_consolidation_busiest_share", role="prefill") == 0.0
@@ -402,7 +402,7 @@ async def test_busiest_share_comes_from_the_last_closed_interval(tmp_path: Path)
     assert rig.metric("narwhal_consolidation_busiest_share", role="decode") == pytest.approx(0.5)
 
     # While idle the share keeps describing the last closed interval, not 0.0...
-    rig.engine("p1").in_flight = 0
+    set_in_flight(rig.router.fleet, "p1", 0)
     await rig.controller()
     assert rig.router.small.risk["prefill"]["busiest_share"] == pytest.approx(0.6)
     # ...until an interval closes with traffic on one engine only.
@@ -548,16 +548,16 @@ async def test_the_move_can_go_the_other_way(tmp_path: Path) -> None:
 async def test_idle_enough_is_at_or_below_the_in_flight_limit(tmp_path: Path) -> None:
     rig = rebalance_rig(tmp_path)
     rig.eject("p0")
-    rig.engine("d1").in_flight = 1  # the default limit
+    set_in_flight(rig.router.fleet, "d1", 1)  # the default limit
     assert pick(rig) == ("d1", Role.PREFILL)
-    rig.engine("d1").in_flight = 2
+    set_in_flight(rig.router.fleet, "d1", 2)
     assert pick(rig) is None
 
 
 async def test_a_busy_kv_both_engine_is_not_moved(tmp_path: Path) -> None:
     rig = rebalance_rig(tmp_path, rebalance_max_in_flight=0)
     rig.eject("p0")
-    rig.engine("d1").in_flight = 1
+    set_in_flight(rig.router.fleet, "d1", 1)
     assert pick(rig) is None
 
 
@@ -702,8 +702,8 @@ async def test_traffic_during_verification_does_not_cancel_the_move(tmp_path: Pa
     rig = rebalance_rig(tmp_path)
 
     def busy() -> None:
-        rig.engine("d1").in_flight = 5  # d1 is still a decode candidate while verified
-        rig.engine("d0").in_flight = 2
+        set_in_flight(rig.router.fleet, "d1", 5)  # d1 is still a decode candidate while verified
+        set_in_flight(rig.router.fleet, "d0", 2)
 
     verify = FakeVerify(ok=True, during=busy)
     install(rig, verify)

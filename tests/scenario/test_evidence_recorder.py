@@ -18,13 +18,17 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, parse_config
-from narwhal.control.evidence import Action, EvidenceRecorder, action_for
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import HoldName
+from narwhal.control.evidence import EvidenceRecorder
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
+from narwhal.fleet.events import InferenceVerified, LegFailed, LivenessSwept, SuspectProbe
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.reducer import Action, Policy, action_for
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.server import Router
+from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.metrics import Metrics
-from tests.support.fleet import verify_all
+from tests.support.fleet import ActionRecord, record_actions, verify_all
 
 C = FailureClass
 ALL = frozenset(FailureClass)
@@ -71,7 +75,7 @@ class Rig:
     fleet: Fleet
     metrics: Metrics
     recorder: EvidenceRecorder
-    actions: list[tuple[str, FailureClass, Action, str]] = field(default_factory=list)
+    actions: list[ActionRecord] = field(default_factory=list)
 
     def fail(self, engine_id: str, cls: FailureClass, times: int = 1, detail: str = "x") -> None:
         for _ in range(times):
@@ -87,11 +91,12 @@ class Rig:
 
 
 def rig(eject_after: int = EJECT_AFTER) -> Rig:
-    fleet = verify_all(Fleet(config().engines))
+    clock = FakeClock()
+    fleet = verify_all(Fleet(config().engines, clock, Policy(eject_after=eject_after)))
     metrics = Metrics()
-    r = Rig(fleet, metrics, EvidenceRecorder(fleet, metrics, eject_after))
-    r.recorder.on_action(lambda *args: r.actions.append(args))
-    return r
+    watch_fleet(fleet, metrics, clock)
+    recorder = EvidenceRecorder(fleet, clock)
+    return Rig(fleet, metrics, recorder, record_actions(fleet, recorder))
 
 
 def test_the_clearing_table_covers_every_success_kind() -> None:
@@ -144,7 +149,8 @@ def test_each_row_of_the_clearing_table_clears_exactly_its_classes(kind: Success
     for cls in FailureClass:
         r.fail("p0", cls, 2)
         r.fail("p1", cls, 2)
-    r.fleet.get("p0").liveness_misses = 1
+    r.fleet.apply(LivenessSwept("p0", silent=True), 0.0)
+    assert r.fleet.get("p0").liveness_misses == 1
     r.recorder.success("p0", kind, "test")
     kept = ALL - CLEARING[kind]
     assert r.streaks("p0") == {cls: 2 for cls in kept}
@@ -189,12 +195,12 @@ def test_client_4xx_clears_connection_and_inference_status_only() -> None:
     }
 
 
-def test_clear_removes_only_the_named_classes() -> None:
+def test_a_passed_inference_probe_clears_only_the_inference_classes() -> None:
     r = rig(eject_after=100)
     for cls in FailureClass:
         r.fail("p0", cls)
-    r.recorder.clear("p0", frozenset({C.STREAM, C.KV_HANDOFF}))
-    assert set(r.streaks("p0")) == ALL - {C.STREAM, C.KV_HANDOFF}
+    r.fleet.apply(InferenceVerified("p0", "probe passed"), 0.0)
+    assert set(r.streaks("p0")) == ALL - {C.STREAM, C.INFERENCE_STATUS, C.KV_HANDOFF}
 
 
 # --------------------------------------------------------------------------- actions
@@ -217,12 +223,13 @@ def test_action_for_is_the_spec_table(cls: FailureClass) -> None:
     assert action_for(cls, EJECT_AFTER, EJECT_AFTER) is ACTIONS[cls]
 
 
-def test_every_handler_hears_the_action() -> None:
+def test_every_handler_hears_the_effect() -> None:
     r = rig(eject_after=1)
     heard: list[Any] = []
-    r.recorder.on_action(lambda *args: heard.append(args))
-    r.fail("d0", C.KV_HANDOFF, detail="garbage")
-    assert r.actions == heard == [("d0", C.KV_HANDOFF, Action.HOLD_AND_PROBE, "garbage")]
+    r.recorder.on_effect(heard.append)
+    r.fail("d0", C.TIMEOUT, detail="slow")
+    assert r.actions == [("d0", C.TIMEOUT, Action.HEALTH_PROBE, "slow")]
+    assert heard == [SuspectProbe("d0", C.TIMEOUT)]
 
 
 def test_a_streak_on_another_engine_does_not_fire_for_this_one() -> None:
@@ -305,6 +312,10 @@ class Live:
     clock: FakeClock
     engine: FakeEngine
 
+    def p0(self) -> EngineState:
+        """p0's current state (a state read earlier is stale after any change)."""
+        return self.router.fleet.get("p0")
+
     async def sweep(self) -> None:
         """The health and liveness stages of one monitor pass."""
         now = self.clock.monotonic()
@@ -341,51 +352,53 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
 
 
 async def test_health_200_in_a_sweep_resets_the_liveness_counter(live: Live) -> None:
-    p0 = live.router.fleet.get("p0")
     live.engine.mode = "drop"
     await live.sweep()
     await live.sweep()
-    assert p0.liveness_misses == 2
-    assert p0.evidence == {C.CONNECTION: 2}
+    assert live.p0().liveness_misses == 2
+    assert live.p0().evidence == {C.CONNECTION: 2}
     live.engine.mode = "ok"
     await live.sweep()
-    assert p0.liveness_misses == 0
-    assert p0.evidence == {}
+    assert live.p0().liveness_misses == 0
+    assert live.p0().evidence == {}
     live.engine.mode = "drop"
     await live.sweep()
-    assert p0.liveness_misses == 1
-    assert p0.ejected is None
+    assert live.p0().liveness_misses == 1
+    assert live.p0().ejected is None
 
 
 async def test_liveness_misses_eject_after_consecutive_silent_sweeps(live: Live) -> None:
-    p0 = live.router.fleet.get("p0")
     live.engine.mode = "drop"
     for _ in range(3):
         await live.sweep()
+    p0 = live.p0()
     assert p0.ejected is not None
     assert p0.ejected.cause == "liveness"
 
 
 async def test_suspect_probe_200_clears_timeout_and_overload_evidence(live: Live) -> None:
-    p0 = live.router.fleet.get("p0")
-    p0.evidence.update({C.TIMEOUT: 3, C.OVERLOAD: 1, C.STREAM: 1})
+    now = live.clock.monotonic()
+    for cls, times in ((C.TIMEOUT, 3), (C.OVERLOAD, 1), (C.STREAM, 1)):
+        for _ in range(times):
+            live.router.fleet.apply(LegFailed("p0", cls, "x", "test"), now)
+    assert live.p0().evidence == {C.TIMEOUT: 3, C.OVERLOAD: 1, C.STREAM: 1}
     await live.router._suspect_probe("p0", C.TIMEOUT)
-    assert p0.ejected is None
-    assert p0.evidence == {C.STREAM: 1}
+    assert live.p0().ejected is None
+    assert live.p0().evidence == {C.STREAM: 1}
 
 
 async def test_suspect_probe_200_resets_the_liveness_counter(live: Live) -> None:
-    p0 = live.router.fleet.get("p0")
     live.engine.mode = "drop"
     await live.sweep()
     await live.sweep()
-    assert p0.liveness_misses == 2
+    assert live.p0().liveness_misses == 2
     # a timeout streak makes the router run a suspect health probe; the engine answers 200
     live.engine.mode = "ok"
     await live.router._suspect_probe("p0", C.TIMEOUT)
-    assert p0.ejected is None
+    assert live.p0().ejected is None
+    assert live.p0().liveness_misses == 0
     # one silent sweep after a successful health response is one miss, not three
     live.engine.mode = "drop"
     await live.sweep()
-    assert p0.ejected is None
-    assert p0.liveness_misses == 1
+    assert live.p0().ejected is None
+    assert live.p0().liveness_misses == 1

@@ -20,12 +20,16 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, Role, parse_config
-from narwhal.control.fleet import EngineState, Fleet
-from narwhal.control.holds import SOFT_HOLDS, HoldName
 from narwhal.control.lifecycle import Lifecycle
-from narwhal.control.readiness import ready_reason
 from narwhal.engine.failures import FailureClass
+from narwhal.fleet.events import LegFailed, LivenessSwept
+from narwhal.fleet.holds import SOFT_HOLDS, HoldName
+from narwhal.fleet.readiness import ready_reason
+from narwhal.fleet.reducer import Policy
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.server import Router
+from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.metrics import Metrics
 from tests.support.fleet import verify_all
 
@@ -73,9 +77,10 @@ class World:
 def world(cfg: Config | None = None) -> World:
     cfg = cfg or config()
     clock = FakeClock()
-    fleet = verify_all(Fleet(cfg.engines))  # a serving fleet, already seen healthy
+    fleet = verify_all(Fleet(cfg.engines, clock, Policy.of(cfg.recovery)))  # already serving
     metrics = Metrics()
-    return World(cfg, clock, fleet, Lifecycle(cfg, fleet, metrics, clock), metrics)
+    watch_fleet(fleet, metrics, clock)
+    return World(cfg, clock, fleet, Lifecycle(fleet), metrics)
 
 
 def test_soft_and_hard_hold_sets_are_the_spec_ones() -> None:
@@ -277,10 +282,11 @@ def test_a_confirmed_failure_on_a_drift_held_last_engine_removes_it() -> None:
     clock = FakeClock()
     router = Router(cfg, clock=clock)
     verify_all(router.fleet)
-    p0 = router.fleet.get("p0")
-    router.lifecycle.hold(p0, HoldName.PERFORMANCE_DRIFT, "slow", clock.monotonic())
+    router.lifecycle.hold(
+        router.fleet.get("p0"), HoldName.PERFORMANCE_DRIFT, "slow", clock.monotonic()
+    )
     assert router.ready() is None  # protected
-    router.lifecycle.eject(p0, "connection", "refused", clock.monotonic())
+    router.lifecycle.eject(router.fleet.get("p0"), "connection", "refused", clock.monotonic())
     assert router.ready() == "no capacity: prefill"
 
 
@@ -341,13 +347,12 @@ async def test_exhausted_capacity_is_the_same_503_on_ready_and_completions(
 # --------------------------------------------------------------------------- clearing holds
 def test_health_ok_clears_failure_quarantine_but_never_operator_drain() -> None:
     w = world()
-    p0 = w.e("p0")
-    w.lifecycle.hold(p0, HoldName.FAILURE_QUARANTINE, "failed", w.now, duration_s=60)
-    w.lifecycle.hold(p0, HoldName.OPERATOR_DRAIN, "operator", w.now)
-    w.lifecycle.health_ok(p0, w.now)
-    assert set(p0.holds) == {HoldName.OPERATOR_DRAIN}
-    w.lifecycle.health_ok(p0, w.now)
-    assert set(p0.holds) == {HoldName.OPERATOR_DRAIN}
+    w.lifecycle.hold(w.e("p0"), HoldName.FAILURE_QUARANTINE, "failed", w.now, duration_s=60)
+    w.lifecycle.hold(w.e("p0"), HoldName.OPERATOR_DRAIN, "operator", w.now)
+    w.lifecycle.health_ok(w.e("p0"), w.now)
+    assert set(w.e("p0").holds) == {HoldName.OPERATOR_DRAIN}
+    w.lifecycle.health_ok(w.e("p0"), w.now)
+    assert set(w.e("p0").holds) == {HoldName.OPERATOR_DRAIN}
     assert w.ids(Role.PREFILL) == ["p1"]
 
 
@@ -362,46 +367,52 @@ def test_health_ok_clears_failure_quarantine_but_never_operator_drain() -> None:
 )
 def test_health_ok_leaves_every_other_hold(hold: HoldName) -> None:
     w = world()
-    p0 = w.e("p0")
-    w.lifecycle.hold(p0, hold, "test", w.now)
-    w.lifecycle.health_ok(p0, w.now)
-    assert set(p0.holds) == {hold}
+    w.lifecycle.hold(w.e("p0"), hold, "test", w.now)
+    w.lifecycle.health_ok(w.e("p0"), w.now)
+    assert set(w.e("p0").holds) == {hold}
 
 
 def test_health_ok_readmits_a_quarantined_engine_before_its_deadline() -> None:
     w = world()
-    p0 = w.e("p0")
-    w.lifecycle.hold(p0, HoldName.FAILURE_QUARANTINE, "failed", w.now, duration_s=60)
+    w.lifecycle.hold(w.e("p0"), HoldName.FAILURE_QUARANTINE, "failed", w.now, duration_s=60)
     w.clock.advance(1)
     assert w.ids(Role.PREFILL) == ["p1"]
-    w.lifecycle.health_ok(p0, w.now)
+    w.lifecycle.health_ok(w.e("p0"), w.now)
     assert w.ids(Role.PREFILL) == ["p0", "p1"]
 
 
 def test_readmit_clears_ejection_evidence_and_drains() -> None:
-    w = world(config(failure_quarantine_s=30))
+    # eject_after above the streak, so the ejection below is the explicit one
+    w = world(config(failure_quarantine_s=30, eject_after=4))
+    for cls, times in ((FailureClass.CONNECTION, 3), (FailureClass.TIMEOUT, 1)):
+        for _ in range(times):
+            w.fleet.apply(LegFailed("p0", cls, "failed", "test"), w.now)
+    for _ in range(2):
+        w.fleet.apply(LivenessSwept("p0", silent=True), w.now)
+    assert w.e("p0").evidence == {FailureClass.CONNECTION: 3, FailureClass.TIMEOUT: 1}
+    assert w.e("p0").liveness_misses == 2
+    assert w.e("p0").ejected is None
+    w.lifecycle.hold(w.e("p0"), HoldName.OPERATOR_DRAIN, "operator", w.now)
+    w.lifecycle.hold(w.e("p0"), HoldName.PLANNED_MAINTENANCE, "upgrade", w.now)
+    w.lifecycle.hold(w.e("p0"), HoldName.INFERENCE_VERIFICATION, "stream streak", w.now)
+    w.lifecycle.eject(w.e("p0"), "connection", "refused", w.now)
     p0 = w.e("p0")
-    p0.evidence.update({FailureClass.CONNECTION: 3, FailureClass.TIMEOUT: 1})
-    p0.liveness_misses = 2
-    w.lifecycle.hold(p0, HoldName.OPERATOR_DRAIN, "operator", w.now)
-    w.lifecycle.hold(p0, HoldName.PLANNED_MAINTENANCE, "upgrade", w.now)
-    w.lifecycle.hold(p0, HoldName.INFERENCE_VERIFICATION, "stream streak", w.now)
-    w.lifecycle.eject(p0, "connection", "refused", w.now)
     assert p0.ejected is not None
     assert p0.ejected.evidence == {"connection": 3, "timeout": 1}
     assert HoldName.FAILURE_QUARANTINE in p0.holds
     assert w.ids(Role.PREFILL) == ["p1"]
 
     # An automatic readmission keeps the operator's drain; only the operator's clears it.
-    w.lifecycle.readmit(p0, "verified", w.now)
+    w.lifecycle.readmit(w.e("p0"), "verified", w.now)
+    p0 = w.e("p0")
     assert p0.ejected is None
     assert p0.evidence == {}
     assert p0.liveness_misses == 0
     assert set(p0.holds) == {HoldName.OPERATOR_DRAIN}
     assert w.ids(Role.PREFILL) == ["p1"]
 
-    w.lifecycle.readmit(p0, "operator readmission", w.now, operator=True)
-    assert p0.holds == {}
+    w.lifecycle.readmit(w.e("p0"), "operator readmission", w.now, operator=True)
+    assert w.e("p0").holds == {}
     assert w.ids(Role.PREFILL) == ["p0", "p1"]
 
 
@@ -448,9 +459,10 @@ async def test_the_admin_ejection_record_names_the_class(tmp_path: Path, cause: 
     clock = FakeClock()
     router = Router(cfg, clock=clock)
     verify_all(router.fleet)
-    d0 = router.fleet.get("d0")
-    d0.evidence[FailureClass.STREAM] = 2
-    router.lifecycle.eject(d0, cause, "the reason", clock.monotonic())
+    for _ in range(2):  # below eject_after (3): evidence only, no action
+        router.fleet.apply(LegFailed("d0", FailureClass.STREAM, "bad", "decode"), clock.monotonic())
+    assert router.fleet.get("d0").evidence == {FailureClass.STREAM: 2}
+    router.lifecycle.eject(router.fleet.get("d0"), cause, "the reason", clock.monotonic())
     async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
         resp = await http.get("/admin/engines")
         engines = {e["id"]: e for e in (await resp.json())["engines"]}

@@ -16,9 +16,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from narwhal.clock import FakeClock
-from narwhal.control.admission import Admission
 from narwhal.control.monitor import STAGE_ORDER, Monitor, Stage
-from narwhal.control.readiness import ready_reason
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.readiness import ready_reason
 from narwhal.telemetry.metrics import Metrics
 
 T0 = 1000.0

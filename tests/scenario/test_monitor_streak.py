@@ -21,9 +21,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from narwhal.clock import FakeClock
 from narwhal.config import parse_config
-from narwhal.control.admission import Admission
 from narwhal.control.monitor import STAGE_ORDER, Monitor
 from narwhal.engine.failures import FailureClass
+from narwhal.fleet.admission import Admission
 from narwhal.server import Router
 from narwhal.telemetry.metrics import Metrics
 from tests.support.fleet import verify_all

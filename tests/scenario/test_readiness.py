@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from narwhal.config import Role
-from narwhal.control.readiness import ready_reason
+from narwhal.fleet.readiness import ready_reason
 
 LEASE = "standby: lease held by router-a"
 FENCED = "fenced: lease lost"

@@ -23,9 +23,9 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import parse_config
-from narwhal.control.fleet import EngineState
-from narwhal.control.holds import HoldName
 from narwhal.control.readmission import Readmission, StepResult, attempt_due
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.state import EngineState
 from narwhal.server import Router
 from tests.support.router import router_config
 
@@ -175,17 +175,16 @@ async def test_a_drain_alone_is_never_retried_and_success_resets_the_backoff(rig
 
 
 async def test_planned_maintenance_is_retried_and_its_success_clears_the_hold(rig: Rig) -> None:
-    p0 = rig.e("p0")
     rig.router.lifecycle.hold(
-        p0, HoldName.PLANNED_MAINTENANCE, "maintenance", rig.now, newer_than=100.0
+        rig.e("p0"), HoldName.PLANNED_MAINTENANCE, "maintenance", rig.now, newer_than=100.0
     )
     assert rig.run_stage() == 1
     await rig.finish(FAILED)
-    assert HoldName.PLANNED_MAINTENANCE in p0.holds
+    assert HoldName.PLANNED_MAINTENANCE in rig.e("p0").holds
     rig.clock.advance(0.5)
     assert rig.run_stage() == 1
     await rig.finish(PASSED)
-    assert p0.holds == {} and rig.router.fleet.eligible(p0, rig.now)
+    assert rig.e("p0").holds == {} and rig.router.fleet.eligible(rig.e("p0"), rig.now)
 
 
 async def test_maintenance_requested_during_an_attempt_discards_its_success(rig: Rig) -> None:
@@ -228,18 +227,19 @@ def test_attempt_due(
     tmp_path: Path, state: str, next_try: float | None, running: bool, due: bool
 ) -> None:
     rig = Rig(tmp_path, failure_quarantine_s=QUARANTINE_S)
-    p0, now = rig.e("p0"), rig.now
+    now = rig.now
     lifecycle = rig.router.lifecycle
     if state == "drained":
-        lifecycle.hold(p0, HoldName.OPERATOR_DRAIN, "x", now)
+        lifecycle.hold(rig.e("p0"), HoldName.OPERATOR_DRAIN, "x", now)
     elif state == "maintenance":
-        lifecycle.hold(p0, HoldName.PLANNED_MAINTENANCE, "x", now)
+        lifecycle.hold(rig.e("p0"), HoldName.PLANNED_MAINTENANCE, "x", now)
     elif state in ("ejected", "quarantined", "quarantine_expired"):
         rig.eject("p0")
-        if state == "ejected":
-            p0.holds.pop(HoldName.FAILURE_QUARANTINE)
+        assert HoldName.FAILURE_QUARANTINE in rig.e("p0").holds
+        if state == "ejected":  # ejected without the quarantine that comes with it
+            lifecycle.release(rig.e("p0"), HoldName.FAILURE_QUARANTINE, "test", now)
         elif state == "quarantine_expired":
             rig.clock.advance(QUARANTINE_S)
             now = rig.now
             next_try = None if next_try is None else next_try + QUARANTINE_S
-    assert attempt_due(p0, now, next_try, running) is due
+    assert attempt_due(rig.e("p0"), now, next_try, running) is due

@@ -31,9 +31,11 @@ from typing import Any
 
 import orjson
 
+from narwhal.clock import FakeClock
 from narwhal.config import Config, parse_config
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import Hold, HoldName
+from narwhal.fleet.events import GenerationSeen, HoldRequested
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import build_document, check_document, load_schema
 
 ENGINE_BYTES = 300  # about one engine's share of an indented document
@@ -61,13 +63,11 @@ def _reason(writer: str, n: int) -> str:
 
 def make_document(writer: str, n: int, size: int) -> bytes:
     config = fleet_config(size)
-    fleet = Fleet(config.engines)
+    fleet = Fleet(config.engines, FakeClock(wall=1_700_000_000.0))
     for i, engine in enumerate(fleet):
-        engine.generation = float(n) + i / 1000
+        fleet.apply(GenerationSeen(engine.id, float(n) + i / 1000), 0.0)
         if i % 2 == 0:
-            engine.holds[HoldName.OPERATOR_DRAIN] = Hold(
-                HoldName.OPERATOR_DRAIN, _reason(writer, n), 1_700_000_000.0
-            )
+            fleet.apply(HoldRequested(engine.id, HoldName.OPERATOR_DRAIN, _reason(writer, n)), 0.0)
     doc = build_document(fleet, n + 1, 1_700_000_000.0 + n, writer, None, {})
     return orjson.dumps(doc, option=orjson.OPT_INDENT_2)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from narwhal.clock import Clock
 from narwhal.config import parse_config
-from narwhal.control.fleet import Fleet
 from narwhal.control.ownership import Leadership, Ownership, ReadyProbe
+from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import HandoffWriter
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.telemetry.metrics import Metrics
@@ -49,7 +49,7 @@ def make_ownership(
         )
     )
     keeper = LeaseKeeper(router_id, config.lease, store, clock)
-    fleet = Fleet(config.engines)
+    fleet = Fleet(config.engines, clock)
     handoff = HandoffWriter(
         Path(config.handoff.path), router_id, fleet, clock, risk=dict, lease=keeper.handoff_lease
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from narwhal.control.drift import Drift, DriftSettings, find_drift
-from narwhal.control.intervals import Window
+from narwhal.fleet.intervals import Window
 
 FAST = 0.010
 SLOW = 0.100  # 10x FAST

@@ -187,7 +187,7 @@ async def test_another_client_compacting_further_is_fine(clock: FakeClock) -> No
 
 async def test_the_status_watch_exports_size_and_alarms_and_survives_failures() -> None:
     etcd, metrics = FakeEtcd(), Metrics()
-    watch = EtcdStatusWatch(etcd, metrics, interval_s=30.0)
+    watch = EtcdStatusWatch(etcd, metrics, 30.0, FakeClock())
     etcd.db_size, etcd.alarm_set = 3_000_000, frozenset({"NOSPACE"})
     assert await watch.refresh()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal.clock import FakeClock
 from narwhal.config import EngineConfig, Role
-from narwhal.control.evidence import Action, EvidenceRecorder, action_for, cleared_by
-from narwhal.control.fleet import Fleet
+from narwhal.control.evidence import EvidenceRecorder
 from narwhal.engine.failures import (
     CLEARS,
     INFERENCE_CLASSES,
@@ -15,7 +15,11 @@ from narwhal.engine.failures import (
     SuccessKind,
     classify_status,
 )
-from narwhal.telemetry.metrics import Metrics
+from narwhal.fleet.events import Event, LegFailed, SuspectProbe
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.reducer import Action, Policy, Step, action_for
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 
 F = FailureClass
 
@@ -86,7 +90,6 @@ SPEC_CLEARS: list[tuple[str, SuccessKind, frozenset[FailureClass]]] = [
 )
 def test_clears_matches_the_spec_row(kind: SuccessKind, expected: frozenset[FailureClass]) -> None:
     assert CLEARS[kind] == expected
-    assert cleared_by(kind) == expected
 
 
 def test_clears_has_only_the_spec_rows_and_the_finished_prefill() -> None:
@@ -142,15 +145,33 @@ def test_action_for(cls: FailureClass, action: Action, eject_after: int) -> None
 
 
 def _recorder(eject_after: int = 3) -> tuple[Fleet, EvidenceRecorder, list[tuple[str, F, Action]]]:
+    """A fleet and its recorder; `fired` lists the failure table's actions as they happen:
+    an ejection, an inference-verification hold, or a suspect probe asked for."""
+    clock = FakeClock()
     fleet = Fleet(
         [
             EngineConfig(id="p0", url="http://127.0.0.1:9001", role=Role.PREFILL),
             EngineConfig(id="d0", url="http://127.0.0.1:9101", role=Role.DECODE),
-        ]
+        ],
+        clock,
+        Policy(eject_after=eject_after),
     )
-    recorder = EvidenceRecorder(fleet, Metrics(), eject_after)
+    recorder = EvidenceRecorder(fleet, clock)
     fired: list[tuple[str, F, Action]] = []
-    recorder.on_action(lambda engine, cls, action, detail: fired.append((engine, cls, action)))
+
+    def probe(effect: SuspectProbe) -> None:
+        fired.append((effect.engine_id, effect.failure_class, Action.HEALTH_PROBE))
+
+    def observe(before: EngineState, after: EngineState, event: Event, step: Step) -> None:
+        if not isinstance(event, LegFailed):
+            return
+        if before.ejected is None and after.ejected is not None:
+            fired.append((after.id, event.failure_class, Action.EJECT))
+        elif HoldName.INFERENCE_VERIFICATION in set(after.holds) - set(before.holds):
+            fired.append((after.id, event.failure_class, Action.HOLD_AND_PROBE))
+
+    recorder.on_effect(probe)
+    fleet.observe(observe)
     return fleet, recorder, fired
 
 

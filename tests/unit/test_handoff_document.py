@@ -24,11 +24,13 @@ import pytest
 from narwhal.clock import FakeClock
 from narwhal.config import Config, Role, parse_config
 from narwhal.control.evidence import EvidenceRecorder
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.stages import consolidation_risk
 from narwhal.engine.failures import EngineFailure, FailureClass
+from narwhal.fleet.events import GenerationSeen, LivenessSwept, ModelLimitLearned, RoleChanged
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.reducer import Policy
+from narwhal.fleet.store import Fleet
 from narwhal.state.atomic import Filesystem
 from narwhal.state.handoff import (
     CLOCK_SKEW_ALLOWANCE_S,
@@ -41,6 +43,7 @@ from narwhal.state.handoff import (
     load_schema,
     newest,
 )
+from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.metrics import Metrics
 from tests.support.router import router_config
 
@@ -76,9 +79,10 @@ class Rig:
         self.config = config
         self.clock = clock or FakeClock()
         self.metrics = Metrics()
-        self.fleet = Fleet(config.engines)
-        self.lifecycle = Lifecycle(config, self.fleet, self.metrics, self.clock)
-        self.evidence = EvidenceRecorder(self.fleet, self.metrics, config.recovery.eject_after)
+        self.fleet = Fleet(config.engines, self.clock, Policy.of(config.recovery))
+        watch_fleet(self.fleet, self.metrics, self.clock)
+        self.lifecycle = Lifecycle(self.fleet)
+        self.evidence = EvidenceRecorder(self.fleet, self.clock)
 
     def populate(self) -> None:
         """p0 serves (generation known); p1 drained; p2 under inference verification and
@@ -90,8 +94,8 @@ class Rig:
         for engine in fl:
             if engine.id != "d2":
                 lc.verify(engine, True, "health 200, serves 'demo-model'", now)
-        fl.get("p0").generation = 1_799_990_000.25
-        fl.get("d0").generation = 1_799_990_100.5
+        fl.apply(GenerationSeen("p0", 1_799_990_000.25), now)
+        fl.apply(GenerationSeen("d0", 1_799_990_100.5), now)
         lc.hold(fl.get("p1"), HoldName.OPERATOR_DRAIN, "operator request", now)
         lc.hold(fl.get("p2"), HoldName.INFERENCE_VERIFICATION, "stream streak: 3 x stall", now)
         lc.hold(fl.get("p2"), HoldName.PERFORMANCE_DRIFT, "3.1x role median", now, DRIFT_S)
@@ -106,7 +110,8 @@ class Rig:
         lc.eject(fl.get("d3"), "kv_handoff", "probe failed", now)
         lc.readmit(fl.get("d3"), "verified", now)
         self.evidence.failure("p0", EngineFailure(FailureClass.TIMEOUT, "slow"), "prefill")
-        self.fleet.get("p0").liveness_misses = 2
+        for _ in range(2):
+            self.fleet.apply(LivenessSwept("p0", silent=True), now)
 
     def build(self, sequence: int = 7, lease: dict[str, Any] | None = LEASE) -> dict[str, Any]:
         risk = consolidation_risk(self.fleet, self.clock.monotonic())
@@ -470,7 +475,7 @@ def test_engines_that_do_not_match_the_engine_set_are_refused(
 
 
 def test_a_role_the_kv_role_forbids_is_refused(rig: Rig, config: Config) -> None:
-    rig.fleet.get("p0").role = Role.DECODE
+    rig.fleet.apply(RoleChanged("p0", Role.DECODE, "test"), rig.clock.monotonic())
     assert reason(encode(rig.build()), config) == (
         "impossible values: p0 role decode is not permitted by kv_role kv_producer"
     )
@@ -538,6 +543,7 @@ def test_an_unverified_engine_is_restored_unverified_and_never_a_candidate(
     assert all(e.verified for e in fresh.fleet if e.id != "d2")
     # Readmitted (the pipeline checks health and the model), it is verified and eligible.
     fresh.lifecycle.readmit(d2, "verified", fresh.clock.monotonic())
+    d2 = fresh.fleet.get("d2")
     assert d2.verified is True and d2.unverified_reason is None
     assert "d2" in [c.id for c in fresh.fleet.candidates(Role.DECODE, fresh.clock.monotonic())]
 
@@ -558,14 +564,14 @@ def test_a_learned_max_model_len_is_carried_so_an_heir_judges_prompt_lengths_at_
     """A standby runs no pass, so it never reads /v1/models itself: without the saved limit,
     its first requests after a takeover could not be length-checked (an over-long prompt
     would reach an engine, whose vLLM-style 500 is charged to it)."""
-    rig.fleet.get("p0").max_model_len = 4096
+    rig.fleet.apply(ModelLimitLearned("p0", 4096), rig.clock.monotonic())
     saved = rig.build()
     assert saved["engines"]["p0"]["max_model_len"] == 4096
     fresh = restored(saved, config, after_restart(10.0))
     assert fresh.fleet.get("p0").max_model_len == 4096
     assert fresh.fleet.get("p1").max_model_len is None
     # A document without it (an older router's) leaves what the heir knows as it is.
-    fresh.fleet.get("p1").max_model_len = 2048
+    fresh.fleet.apply(ModelLimitLearned("p1", 2048), fresh.clock.monotonic())
     older = seal({**saved, "engines": {i: _without(e, "max_model_len")
                                        for i, e in saved["engines"].items()}})  # fmt: skip
     apply_document(older, fresh.fleet, fresh.clock)
@@ -614,7 +620,7 @@ def test_apply_does_not_restore_evidence_liveness_or_in_flight(
     for engine in fresh.fleet:
         assert engine.evidence == {}
         assert engine.liveness_misses == 0
-        assert engine.in_flight == 0
+        assert fresh.fleet.in_flight.of(engine.id) == 0
 
 
 class FailDirFsyncOnce(Filesystem):

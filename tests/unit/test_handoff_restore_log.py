@@ -1,7 +1,7 @@
-"""Restoring a handoff document goes through `Fleet.transition` (DESIGN §8 house style): each
-engine whose ejection, holds or verification change is logged `from -> to (reason)` and counted in
-`narwhal_engine_transitions_total`; re-applying what is already there (a standby following every
-write) logs and counts nothing.
+"""Restoring a handoff document is one `Restored` event per engine through `Fleet.apply`
+(DESIGN §8 house style): each engine whose ejection, holds or verification change is logged
+`from -> to (reason)` and counted in `narwhal_engine_transitions_total`; re-applying what is
+already there (a standby following every write) logs and counts nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from narwhal.clock import FakeClock
-from narwhal.control.holds import HoldName
+from narwhal.fleet.holds import HoldName
 from narwhal.state.handoff import apply_document, check_document
 from tests.unit.test_handoff_document import SCHEMA_JSON, Rig, encode, make_config
 

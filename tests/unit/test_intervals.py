@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from narwhal.control.intervals import EngineWindow, Histogram, IntervalStats, Window, roll
+from narwhal.fleet.intervals import EngineWindow, Histogram, IntervalStats, Window, roll
 
 # One bucket: the bounds are 1e-4 * 10 ** (i / 12).
 STEP = 10 ** (1 / 12)

@@ -16,11 +16,11 @@ import orjson
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, parse_config
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
+from narwhal.fleet.events import GenerationSeen
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import apply_document, build_document, check_document, load_schema
-from narwhal.telemetry.metrics import Metrics
 from tests.support.router import router_config
 
 ENGINES = [
@@ -35,12 +35,12 @@ def config(tmp_path: Path) -> Config:
 
 
 def saved_under_maintenance(cfg: Config, clock: FakeClock) -> bytes:
-    fleet = Fleet(cfg.engines)
-    lifecycle = Lifecycle(cfg, fleet, Metrics(), clock)
-    p0 = fleet.get("p0")
-    p0.generation = BASELINE - 50  # stale: the router saw an older process last
+    fleet = Fleet(cfg.engines, clock)
+    lifecycle = Lifecycle(fleet)
+    # stale: the router saw an older process last
+    fleet.apply(GenerationSeen("p0", BASELINE - 50), clock.monotonic())
     lifecycle.hold(
-        p0,
+        fleet.get("p0"),
         HoldName.PLANNED_MAINTENANCE,
         f"planned maintenance at generation {BASELINE}",
         clock.monotonic(),
@@ -58,7 +58,7 @@ def test_the_baseline_is_written_and_restored(tmp_path: Path) -> None:
 
     verdict = check_document(raw, cfg, load_schema())
     assert verdict.ok and verdict.document is not None, verdict.reason
-    fresh = Fleet(cfg.engines)
+    fresh = Fleet(cfg.engines, clock)
     apply_document(verdict.document, fresh, clock)
     restored = fresh.get("p0").holds[HoldName.PLANNED_MAINTENANCE]
     assert restored.newer_than == BASELINE
@@ -67,8 +67,8 @@ def test_the_baseline_is_written_and_restored(tmp_path: Path) -> None:
 
 def test_other_holds_carry_no_baseline(tmp_path: Path) -> None:
     cfg, clock = config(tmp_path), FakeClock()
-    fleet = Fleet(cfg.engines)
-    Lifecycle(cfg, fleet, Metrics(), clock).hold(
+    fleet = Fleet(cfg.engines, clock)
+    Lifecycle(fleet).hold(
         fleet.get("d0"), HoldName.OPERATOR_DRAIN, "operator request", clock.monotonic()
     )
     doc = build_document(fleet, 1, clock.wall(), "router-a", None, {})
@@ -85,7 +85,7 @@ def test_a_hold_without_a_baseline_from_an_older_writer_is_still_applied(tmp_pat
     del doc["checksum"]
     verdict = check_document(orjson.dumps(resealed(doc)), cfg, load_schema())
     assert verdict.ok and verdict.document is not None, verdict.reason
-    fresh = Fleet(cfg.engines)
+    fresh = Fleet(cfg.engines, clock)
     apply_document(verdict.document, fresh, clock)
     assert fresh.get("p0").holds[HoldName.PLANNED_MAINTENANCE].newer_than is None
 

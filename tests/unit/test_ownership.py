@@ -17,11 +17,11 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, parse_config
-from narwhal.control.fleet import Fleet
-from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.ownership import Ownership, counts_toward_takeover
 from narwhal.control.stages import consolidation_risk
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import HandoffWriter, build_document
 from narwhal.state.lease import LeaseKeeper, Role
 from narwhal.telemetry.metrics import Metrics
@@ -60,8 +60,8 @@ class Active:
 
     def __init__(self, config: Config, store: MemoryLeaseStore, clock: FakeClock) -> None:
         self.keeper = LeaseKeeper("router-a", config.lease, store, clock)
-        self.fleet = Fleet(config.engines)
-        self.lifecycle = Lifecycle(config, self.fleet, Metrics(), clock)
+        self.fleet = Fleet(config.engines, clock)
+        self.lifecycle = Lifecycle(self.fleet)
         self.clock = clock
         self.sequence = 0
 
@@ -97,7 +97,7 @@ class Rig:
         self.store = MemoryLeaseStore(self.clock)
         self.active = Active(self.config, self.store, self.clock)
         self.ready = FakeReady()
-        self.fleet = Fleet(self.config.engines)
+        self.fleet = Fleet(self.config.engines, self.clock)
         self.keeper = LeaseKeeper("router-b", self.config.lease, self.store, self.clock)
         self.handoff = HandoffWriter(
             Path(self.config.handoff.path),
@@ -204,7 +204,13 @@ async def test_follow_ignores_a_handoff_from_an_older_epoch(rig: Rig) -> None:
     assert rig.drained()
     assert rig.ownership.followed is not None and rig.ownership.followed["sequence"] == 5
     # An older epoch's writer (a fenced ex-active) with a higher sequence and no drain.
-    active.fleet.get("p0").holds.clear()
+    active.lifecycle.release(
+        active.fleet.get("p0"),
+        HoldName.OPERATOR_DRAIN,
+        "operator undrain",
+        active.clock.monotonic(),
+    )
+    assert active.fleet.get("p0").holds == {}
     rig.store.handoff = orjson.dumps(active.document(sequence=9, epoch=1))
     await rig.ownership.follow()
     assert rig.drained(), "the older epoch's document was applied"

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narwhal.control.fleet import Candidate
 from narwhal.dataplane.placement import least_in_flight
+from narwhal.fleet.state import Candidate
 
 
 def _c(*pairs: tuple[str, int]) -> list[Candidate]:

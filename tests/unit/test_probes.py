@@ -16,13 +16,13 @@ from typing import Any
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, parse_config
-from narwhal.control.evidence import EvidenceRecorder
-from narwhal.control.fleet import Fleet
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.probes import InferenceProber, Verdict
 from narwhal.engine.adapter import HandoffRefused, PrefillReply
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.transport import ControlPoolBusy, EngineClient
+from narwhal.fleet.reducer import Policy
+from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 from tests.support.fleet import verify_all
 from tests.support.router import router_config
@@ -62,13 +62,13 @@ def _prober(tmp_path: Path, adapter: RefusingDecode) -> tuple[InferenceProber, F
         {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"},
     ]
     config: Config = parse_config(router_config(engines, tmp_path))
-    fleet, metrics, clock = verify_all(Fleet(config.engines)), Metrics(), FakeClock()
+    metrics, clock = Metrics(), FakeClock()
+    fleet = verify_all(Fleet(config.engines, clock, Policy.of(config.recovery)))
     prober = InferenceProber(
         config,
         fleet,
         EngineClient(4, 2),  # never started: the fake adapter makes no requests
-        EvidenceRecorder(fleet, metrics, config.recovery.eject_after),
-        Lifecycle(config, fleet, metrics, clock),
+        Lifecycle(fleet),
         metrics,
         clock,
         lambda engine: adapter,  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from narwhal.control.intervals import Window
+from narwhal.fleet.intervals import Window
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,12 +24,14 @@ import orjson
 
 from narwhal.config import Config
 from narwhal.control.evidence import EvidenceRecorder
-from narwhal.control.fleet import EngineState, Fleet
-from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.engine.failures import EngineFailure, SuccessKind, classify_status
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import ControlPoolBusy, EngineClient, control_get
+from narwhal.fleet.events import GenerationSeen, LivenessSwept, ModelLimitLearned
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.health")
@@ -137,16 +139,16 @@ class HealthStages:
         timeout = self._cfg.engine.health_timeout_s
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._check(e, timeout, deadline)) for e in engines]
+                tasks = [group.create_task(self._check(e, timeout, deadline, now)) for e in engines]
         except ExceptionGroup as group_error:
             raise group_error.exceptions[0] from None  # the stage's error names the real class
         results = [task.result() for task in tasks]
         self._last = {}
-        for engine, result in zip(engines, results, strict=True):
+        for checked, result in zip(engines, results, strict=True):
+            engine = self._fleet.get(checked.id)  # as it is now, after the checks
             self._last[engine.id] = result
             self._metrics.health_checks.labels(engine.id, result.answer.value).inc()
             if result.answer is Answer.OK:
-                self._evidence.success(engine.id, SuccessKind.HEALTH_OK, "health")
                 self._lifecycle.health_ok(engine, now)
             elif result.answer is Answer.BUSY:
                 log.warning("engine %s: health check skipped: %s", engine.id, result.failure)
@@ -156,10 +158,11 @@ class HealthStages:
                 else:
                     self._evidence.failure(engine.id, result.failure, "health")
             if result.answer is not Answer.BUSY:  # BUSY: not asked, says nothing
-                self._verify(engine, result, now)
+                self._verify(engine.id, result, now)
 
-    def _verify(self, engine: EngineState, result: HealthResult, now: float) -> None:
+    def _verify(self, engine_id: str, result: HealthResult, now: float) -> None:
         """Apply one answer to an unverified engine; a wrong model is also a warning."""
+        engine = self._fleet.get(engine_id)
         if engine.verified:
             return
         ok, reason = verification(result, self._cfg.model)
@@ -178,9 +181,9 @@ class HealthStages:
         engines = [e for e in self._fleet if not e.verified and e.ejected is None]
 
         async def one(engine: EngineState) -> None:
-            result = await self._check(engine, timeout, deadline)
+            result = await self._check(engine, timeout, deadline, now)
             if result.answer is not Answer.BUSY:
-                self._verify(engine, result, now)
+                self._verify(engine.id, result, now)
 
         if not engines:
             return
@@ -200,36 +203,42 @@ class HealthStages:
             f"; unverified: {unverified}" if unverified else "",
         )
 
-    async def _check(self, engine: EngineState, timeout_s: float, deadline: float) -> HealthResult:
+    async def _check(
+        self, engine: EngineState, timeout_s: float, deadline: float, now: float
+    ) -> HealthResult:
         result = await check_health(self._client, self._adapters, engine, timeout_s)
         if result.answer is Answer.OK:
             models: tuple[str, ...] | None = None
             problem: str | None = None
             try:
                 async with asyncio.timeout_at(deadline):
-                    models, problem = await self._learn(engine)
+                    models, problem = await self._learn(engine, now)
             except TimeoutError:
                 log.debug("engine %s: learning cut off at the health timeout", engine.id)
             if models is not None or problem is not None:
                 result = replace(result, models=models, models_problem=problem)
         return result
 
-    async def _learn(self, engine: EngineState) -> tuple[tuple[str, ...] | None, str | None]:
+    async def _learn(
+        self, engine: EngineState, now: float
+    ) -> tuple[tuple[str, ...] | None, str | None]:
         """What a healthy engine's identity and limits are, read once (the adapter's own
         `learn` is cheap when it knows already); `/v1/models` is read on every answer until
         the engine is verified. Returns the served models read (or why they were not)."""
         models: tuple[str, ...] | None = None
         problem: str | None = None
         if engine.max_model_len is None or not engine.verified:
-            models, problem = await self._read_models(engine)
+            models, problem = await self._read_models(engine, now)
         if engine.generation is None:
             generation, _ = await self._adapters(engine.config).generation(engine.config)
-            if generation is not None:
-                engine.generation = generation  # so maintenance can compare
+            if generation is not None:  # so maintenance can compare
+                self._fleet.apply(GenerationSeen(engine.id, generation), now)
         await self._adapters(engine.config).learn(engine.config)
         return models, problem
 
-    async def _read_models(self, engine: EngineState) -> tuple[tuple[str, ...] | None, str | None]:
+    async def _read_models(
+        self, engine: EngineState, now: float
+    ) -> tuple[tuple[str, ...] | None, str | None]:
         """The served model ids from `/v1/models` (or why they could not be read), learning
         `max_model_len` for prompt-length checks on the way."""
         try:
@@ -247,7 +256,7 @@ class HealthStages:
             return None, "is not an OpenAI model list"
         limit = next((m.get("max_model_len") for m in cards if m["id"] == self._cfg.model), None)
         if engine.max_model_len is None and isinstance(limit, int) and limit > 0:
-            engine.max_model_len = limit
+            self._fleet.apply(ModelLimitLearned(engine.id, limit), now)
         return tuple(m["id"] for m in cards), None
 
     async def liveness(self, now: float) -> None:
@@ -255,18 +264,9 @@ class HealthStages:
         results = self._last
         if results is None:
             return  # the health stage itself failed: no sweep happened, nothing to count
-        limit = self._cfg.recovery.liveness_misses
         for engine_id, result in results.items():
-            engine = self._fleet.get(engine_id)
-            if engine.ejected is not None:
-                continue
-            if result.answer is Answer.SILENT:
-                engine.liveness_misses += 1
-                if engine.liveness_misses >= limit:
-                    self._lifecycle.eject(
-                        engine, "liveness", f"{engine.liveness_misses} silent health sweeps", now
-                    )
-            elif result.answer in (Answer.OK, Answer.ERROR):
-                engine.liveness_misses = 0  # it answered: the sweep was not silent
-            # BUSY: the engine was not asked, so the sweep says nothing either way
-            self._metrics.liveness_misses.labels(engine_id).set(engine.liveness_misses)
+            # BUSY: the engine was not asked, so the sweep says nothing either way; any
+            # answer (OK or ERROR) ends a run of silence.
+            if result.answer is not Answer.BUSY:
+                silent = result.answer is Answer.SILENT
+                self._fleet.apply(LivenessSwept(engine_id, silent), now)

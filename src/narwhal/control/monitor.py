@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.clock import Clock
-from narwhal.control.admission import Admission
+from narwhal.fleet.admission import Admission
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.monitor")

@@ -18,7 +18,7 @@ import aiohttp
 
 from narwhal.clock import Clock
 from narwhal.config import Config
-from narwhal.control.fleet import Fleet
+from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import HandoffWriter, apply_document, check_document, load_schema
 from narwhal.state.lease import LeaseKeeper, Role
 from narwhal.telemetry.metrics import Metrics

@@ -24,15 +24,11 @@ import orjson
 
 from narwhal.clock import Clock
 from narwhal.config import Config, Role
-from narwhal.control.evidence import EvidenceRecorder
-from narwhal.control.fleet import Candidate, EngineState, Fleet
-from narwhal.control.holds import HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.sse import SseScanner
 from narwhal.engine.adapter import FinishedInPrefill, HandoffRefused, SlotsBusy, Unreadable
 from narwhal.engine.failures import (
-    INFERENCE_CLASSES,
     EngineFailure,
     FailureClass,
     classify_status,
@@ -45,6 +41,10 @@ from narwhal.engine.transport import (
     classify_exception,
     engine_headers,
 )
+from narwhal.fleet.events import InferenceVerified
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.state import Candidate, EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.probes")
@@ -79,7 +79,6 @@ class InferenceProber:
         config: Config,
         fleet: Fleet,
         client: EngineClient,
-        evidence: EvidenceRecorder,
         lifecycle: Lifecycle,
         metrics: Metrics,
         clock: Clock,
@@ -89,7 +88,6 @@ class InferenceProber:
         self._adapters = adapters
         self._fleet = fleet
         self._client = client
-        self._evidence = evidence
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._clock = clock
@@ -115,6 +113,7 @@ class InferenceProber:
         self.apply(engine, result, self._clock.monotonic())
 
     def apply(self, engine: EngineState, result: ProbeResult, now: float) -> None:
+        engine = self._fleet.get(engine.id)  # as it is now, not as the probe began
         self.last[engine.id] = result
         self._metrics.probes.labels(engine.id, "inference", result.verdict.value).inc()
         if result.verdict is Verdict.OK:
@@ -131,9 +130,7 @@ class InferenceProber:
 
     def _passed(self, engine: EngineState, reason: str, now: float) -> None:
         """A successful inference check: clears the inference evidence and both holds."""
-        self._evidence.clear(engine.id, INFERENCE_CLASSES)
-        self._lifecycle.release(engine, HoldName.INFERENCE_VERIFICATION, reason, now)
-        self._lifecycle.release(engine, HoldName.FAILURE_QUARANTINE, reason, now)
+        self._fleet.apply(InferenceVerified(engine.id, reason), now)
 
     @staticmethod
     def _verifying(engine: EngineState, now: float) -> bool:
@@ -146,7 +143,7 @@ class InferenceProber:
         candidates = [c for c in self._fleet.candidates(role, now) if c.id != probed.id]
         if not candidates:
             candidates = [
-                Candidate(e.id, e.in_flight)
+                Candidate(e.id, self._fleet.in_flight.of(e.id))
                 for e in self._fleet.verification_peers(role, now)
                 if e.id != probed.id
             ]

@@ -17,9 +17,7 @@ import orjson
 from narwhal.clock import Clock
 from narwhal.config import KV_ROLE_PERMITS, Config, Role
 from narwhal.control.attestation import Outcome, attest
-from narwhal.control.fleet import EngineState, Fleet
 from narwhal.control.health import Answer, check_health
-from narwhal.control.holds import Hold, HoldName
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.probes import Inconclusive, InferenceProber, Spawn
 from narwhal.engine.adapter import HandoffRefused
@@ -27,6 +25,10 @@ from narwhal.engine.failures import EngineFailure
 from narwhal.engine.registry import Adapters
 from narwhal.engine.resumptions import restarted_since
 from narwhal.engine.transport import EngineClient, control_get
+from narwhal.fleet.events import GenerationSeen
+from narwhal.fleet.holds import Hold, HoldName
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.readmission")
@@ -134,8 +136,7 @@ class Readmission:
                 why,
             )
             return requested_at_wall
-        if engine.generation is None or generation > engine.generation:
-            engine.generation = generation
+        self._fleet.apply(GenerationSeen(engine.id, generation), self._clock.monotonic())
         return generation
 
     def schedule(self, now: float, spawn: Spawn) -> None:
@@ -177,6 +178,7 @@ class Readmission:
         Maintenance requested while the attempt ran (its baseline was not checked), or an
         engine already back in placement, makes the result stale: the next pass decides.
         """
+        engine = self._fleet.get(engine.id)  # as it is now, not as the attempt began
         stale = engine.holds.get(HoldName.PLANNED_MAINTENANCE) is not maintenance_at_start
         waiting = engine.ejected is not None or HoldName.PLANNED_MAINTENANCE in engine.holds
         if stale or not waiting:
@@ -274,6 +276,7 @@ class Readmission:
 
     async def _generation(self, engine: EngineState) -> tuple[bool, str]:
         generation, why = await self._adapters(engine.config).generation(engine.config)
+        engine = self._fleet.get(engine.id)  # as it is now
         if generation is None:
             return self._unknown_generation(engine, why)
         if engine.generation is not None and generation < engine.generation:
@@ -285,7 +288,7 @@ class Readmission:
                 before = engine.generation
             if before is not None and generation <= before:
                 return False, f"planned maintenance needs a process newer than {before}"
-        engine.generation = generation
+        self._fleet.apply(GenerationSeen(engine.id, generation), self._clock.monotonic())
         return True, f"generation {generation}"
 
     def _unknown_generation(self, engine: EngineState, why: str) -> tuple[bool, str]:

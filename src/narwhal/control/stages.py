@@ -14,10 +14,12 @@ from typing import Any
 
 from narwhal.config import Config, KvRole, Role
 from narwhal.control.drift import Drift, DriftSettings, find_drift
-from narwhal.control.fleet import EngineState, Fleet
-from narwhal.control.holds import HoldName
-from narwhal.control.intervals import IntervalStats, Window
 from narwhal.control.lifecycle import Lifecycle
+from narwhal.fleet.events import RoleChanged
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.intervals import IntervalStats, Window
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.stages")
@@ -97,7 +99,7 @@ def rebalance_candidate(
     for needy, donor in _short_roles(fleet, now, settings):
         for c in sorted(fleet.candidates(donor, now), key=lambda c: (c.in_flight, c.id)):
             engine = fleet.get(c.id)
-            if _movable(engine, donor, now) and engine.in_flight <= settings.max_in_flight:
+            if _movable(engine, donor, now) and c.in_flight <= settings.max_in_flight:
                 return engine, needy
     return None
 
@@ -273,13 +275,7 @@ class SmallStages:
             reason,
             extra=extra,
         )
-
-        def change(e: EngineState) -> None:
-            e.role = role
-
-        self._fleet.transition(
-            engine, now, f"role {from_role} -> {role.value} (rebalanced: {reason})", change
-        )
+        self._fleet.apply(RoleChanged(engine_id, role, reason), now)
 
     async def drains(self, now: float) -> None:
         """Settle drains: record when a drained engine's in-flight count reached zero."""
@@ -289,7 +285,7 @@ class SmallStages:
             )
             if not drained:
                 self.drains_settled.pop(engine.id, None)
-            elif engine.in_flight == 0 and engine.id not in self.drains_settled:
+            elif self._fleet.in_flight.of(engine.id) == 0 and engine.id not in self.drains_settled:
                 self.drains_settled[engine.id] = now
                 log.info("engine %s: drain settled (no requests in flight)", engine.id)
 
@@ -300,8 +296,6 @@ class SmallStages:
     async def telemetry(self, now: float) -> None:
         for engine in self._fleet:
             self._lifecycle.expire_holds(engine, now)  # holds_active is read at scrape time
-            for cls, streak in engine.evidence.items():
-                self._metrics.evidence_streak.labels(engine.id, cls.value).set(streak)
             self._metrics.engine_eligible.labels(engine.id).set(
                 int(self._fleet.eligible(engine, now))
             )

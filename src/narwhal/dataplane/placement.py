@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from narwhal.control.fleet import Candidate
+from narwhal.fleet.state import Candidate
 
 
 def least_in_flight(

@@ -21,11 +21,6 @@ from aiohttp import web
 
 from narwhal.clock import Clock
 from narwhal.config import Config, Role
-from narwhal.control.admission import Admission
-from narwhal.control.evidence_sink import EvidenceSink
-from narwhal.control.fleet import EngineState, Fleet
-from narwhal.control.intervals import IntervalStats
-from narwhal.control.readiness import starting_reason
 from narwhal.dataplane.errors import error_body, openai_error, sse_error_event
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
@@ -50,6 +45,12 @@ from narwhal.engine.failures import (
 )
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.evidence_sink import EvidenceSink
+from narwhal.fleet.intervals import IntervalStats
+from narwhal.fleet.readiness import starting_reason
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Children, Metrics
 from narwhal.telemetry.timeline import Timeline
 
@@ -111,6 +112,7 @@ class DataPlane:
         self._cfg = config
         self._serving = config.serving
         self._fleet = fleet
+        self._in_flight_counts = fleet.in_flight
         self._client = client
         self._evidence = evidence
         self._metrics = metrics
@@ -130,8 +132,6 @@ class DataPlane:
         metrics.pool_in_use.labels("data").set_function(lambda: self.pool.in_use)
         metrics.pool_in_use.labels("control").set_function(lambda: client.control_in_use)
         metrics.queue_depth.set_function(lambda: self.pool.waiting)
-        for engine in fleet:
-            metrics.in_flight.labels(engine.id).set_function(_in_flight_of(engine))
         self._requests = Children(metrics.requests)
         self._latency = Children(metrics.total_latency)
         self._token_checks = Children(metrics.token_checks)
@@ -306,11 +306,12 @@ class DataPlane:
 
     @contextmanager
     def _in_flight(self, engine: EngineState) -> Iterator[None]:
-        engine.in_flight += 1
+        counts = self._in_flight_counts
+        counts.enter(engine.id)
         try:
             yield
         finally:
-            engine.in_flight -= 1
+            counts.leave(engine.id)
 
     def _fail(self, engine: EngineState, leg: str, failure: EngineFailure) -> EngineFailure:
         self._leg_outcomes(engine.id, leg, failure.failure_class.value).inc()
@@ -719,11 +720,6 @@ def _cut_off(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()
-
-
-def _in_flight_of(engine: EngineState) -> Callable[[], float]:
-    """The engine's live in-flight count, for its gauge."""
-    return lambda: engine.in_flight
 
 
 def _tag(response: web.StreamResponse, outcome: str) -> web.StreamResponse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from narwhal.clock import Clock, SystemClock
+from narwhal.clock import Clock
 from narwhal.state.etcd_store import EtcdStatus
 from narwhal.telemetry.metrics import Metrics
 
@@ -43,12 +43,12 @@ class EtcdStatusWatch:
         etcd: EtcdObservable,
         metrics: Metrics,
         interval_s: float,
-        clock: Clock | None = None,
+        clock: Clock,
     ) -> None:
         self._etcd = etcd
         self._metrics = metrics
         self.interval_s = interval_s
-        self._clock = clock or SystemClock()
+        self._clock = clock
         self.last: EtcdStatus | None = None
         self.alarms: frozenset[str] = frozenset()
         self.error: str | None = None

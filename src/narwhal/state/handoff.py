@@ -28,8 +28,10 @@ import orjson
 
 from narwhal.clock import Clock
 from narwhal.config import KV_ROLE_PERMITS, Config, Role
-from narwhal.control.fleet import NOT_YET_SEEN, Ejection, EngineState, Fleet
-from narwhal.control.holds import Hold, HoldName
+from narwhal.fleet.events import Restored
+from narwhal.fleet.holds import Hold, HoldName
+from narwhal.fleet.state import Ejection, EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.state.atomic import Filesystem, atomic_write
 
 SCHEMA = "narwhal.handoff/1"
@@ -262,16 +264,11 @@ def impossible_values(
 
 
 def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
-    """Restore engine state; hold deadlines that passed meanwhile are treated as passed."""
+    """Restore engine state, one `Restored` event per engine (a change is logged `from -> to`,
+    re-applying what is already there stays silent); hold deadlines that passed meanwhile are
+    treated as passed."""
     now_mono, now_wall = clock.monotonic(), clock.wall()
     for engine_id, saved in doc["engines"].items():
-        engine = fleet.get(engine_id)
-        engine.role = Role(saved["role"])
-        engine.generation = saved["generation"]
-        if saved.get("max_model_len") is not None:
-            # An heir that never ran a pass can judge prompt lengths from its first request.
-            engine.max_model_len = saved["max_model_len"]
-        verified = bool(saved.get("verified", True))  # absent: an older router served from it
         ej = saved["ejection"]
         ejected = (
             Ejection(ej["cause"], ej["reason"], ej["at"], dict(ej["evidence"])) if ej else None
@@ -294,43 +291,18 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
             holds[HoldName.INFERENCE_VERIFICATION] = Hold(
                 HoldName.INFERENCE_VERIFICATION, v["reason"], v["since"]
             )
-        _restore(fleet, engine, ejected, holds, verified, now_mono)
+        restored = Restored(
+            engine_id,
+            Role(saved["role"]),
+            saved["generation"],
+            # An heir that never ran a pass can judge prompt lengths from its first request.
+            saved.get("max_model_len"),
+            ejected,
+            holds,
+            bool(saved.get("verified", True)),  # absent: an older router served from it
+        )
+        fleet.apply(restored, now_mono)
     fleet.counters.restore(doc["counters"])
-
-
-def _restore(
-    fleet: Fleet,
-    engine: EngineState,
-    ejected: Ejection | None,
-    holds: dict[HoldName, Hold],
-    verified: bool,
-    now_mono: float,
-) -> None:
-    """Set a saved ejection, holds and verification; a change goes through `Fleet.transition`
-    (logged `from -> to (reason)` and counted), while re-applying what is already there (a standby
-    following every write) stays silent."""
-
-    def saved_view(h: Hold) -> tuple[object, ...]:  # what the document keeps of a hold
-        return (h.reason, h.since_wall, h.deadline_wall, h.newer_than)
-
-    def change(e: EngineState) -> None:
-        e.ejected = ejected
-        e.holds.clear()
-        e.holds.update(holds)
-        if e.verified != verified:
-            e.verified = verified
-            e.unverified_reason = None if verified else f"{NOT_YET_SEEN} (restored unverified)"
-
-    same = (
-        engine.verified == verified
-        and engine.ejected == ejected
-        and {n: saved_view(h) for n, h in engine.holds.items()}
-        == {n: saved_view(h) for n, h in holds.items()}
-    )
-    if same:
-        change(engine)
-    else:
-        fleet.transition(engine, now_mono, "restored from the handoff document", change)
 
 
 def newest(*docs: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from narwhal.control.intervals import Histogram
+from narwhal.fleet.intervals import Histogram
 
 _NOT_ERRORS = frozenset({"ok", "bad_request", "client_error", "client_disconnect"})
 

@@ -1,0 +1,145 @@
+"""`Fleet`: the engines' current states, the only place they change, and the eligibility reads.
+
+`apply(event, now)` runs the reducer, swaps the new immutable state in, keeps the durable
+counters, logs `from -> to (reason)` and tells the observers (metrics); it returns the effects
+for the edge to run. Every read (`candidates(role, now)` and the rest) is pure: a getter never
+mutates. `version` moves on every change, so a published snapshot can say how fresh it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+from narwhal.clock import Clock
+from narwhal.config import EngineConfig, Role
+from narwhal.fleet.counters import Counters
+from narwhal.fleet.events import Event, LegFailed, Readmitted, SuspectProbe
+from narwhal.fleet.holds import SOFT_HOLDS, HoldName
+from narwhal.fleet.inflight import InFlight
+from narwhal.fleet.reducer import Context, Policy, Step, reduce
+from narwhal.fleet.state import Candidate, EngineState
+
+log = logging.getLogger("narwhal.fleet")
+
+Observer = Callable[[EngineState, EngineState, Event, Step], None]
+"""Told of every event that changed something: (before, after, event, step)."""
+
+
+class Fleet:
+    """The engines of one router, indexed by id."""
+
+    def __init__(
+        self,
+        engines: Iterable[EngineConfig],
+        clock: Clock,
+        policy: Policy | None = None,
+        in_flight: InFlight | None = None,
+    ) -> None:
+        self._engines = {e.id: EngineState(config=e, role=e.role) for e in engines}
+        self._clock = clock
+        self.policy = policy or Policy()
+        self.in_flight = in_flight or InFlight(self._engines)
+        self._observers: list[Observer] = []
+        self.counters = Counters()
+        self.version = 0
+
+    def __iter__(self) -> Iterator[EngineState]:
+        return iter(self._engines.values())
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def get(self, engine_id: str) -> EngineState:
+        return self._engines[engine_id]
+
+    def has(self, engine_id: str) -> bool:
+        return engine_id in self._engines
+
+    def observe(self, observer: Observer) -> None:
+        self._observers.append(observer)
+
+    def apply(self, event: Event, now: float) -> tuple[SuspectProbe, ...]:
+        """Apply one event at monotonic `now`; return the effects the edge must run."""
+        before = self._engines[event.engine_id]
+        step = reduce(before, event, Context(now, self._clock.wall(), self.policy))
+        after = step.state
+        if isinstance(event, LegFailed):
+            self.counters.failures[(before.id, event.failure_class.value)] += 1
+        if after is before:
+            return step.effects
+        self._engines[before.id] = after
+        self.version += 1
+        if before.ejected is None and after.ejected is not None:
+            self.counters.ejections[before.id] += 1
+        if isinstance(event, Readmitted):
+            self.counters.readmissions[before.id] += 1
+        if step.reason is not None:
+            old, new = before.status(now), after.status(now)
+            log.info(
+                "engine %s: %s -> %s (%s)",
+                before.id,
+                old,
+                new,
+                step.reason,
+                extra={"engine": before.id, "from": old, "to": new, "reason": step.reason},
+            )
+        for observer in self._observers:
+            observer(before, after, event, step)
+        return step.effects
+
+    def candidates(self, role: Role, now: float) -> list[Candidate]:
+        """Engines that may take new work for `role`, with last-engine protection.
+
+        Soft holds (drift, quarantine) are honoured only while another engine of the role
+        remains eligible; an expired hold no longer counts (no monitor pass needed). An
+        unverified engine is never a candidate, last engine or not.
+        """
+        base = [
+            e
+            for e in self._engines.values()
+            if e.serves(role)
+            and e.verified
+            and e.ejected is None
+            and not any(h.name not in SOFT_HOLDS for h in e.active_holds(now))
+        ]
+        free = [e for e in base if not e.active_holds(now)]
+        chosen = free or base
+        return [Candidate(e.id, self.in_flight.of(e.id)) for e in chosen]
+
+    def verification_peers(self, role: Role, now: float) -> list[EngineState]:
+        """Engines of `role` kept out only by an `inference_verification` hold (and soft
+        holds): the stand-in peers of an inference probe when no engine is eligible."""
+        return [
+            e
+            for e in self._engines.values()
+            if e.serves(role)
+            and e.verified
+            and e.ejected is None
+            and {h.name for h in e.active_holds(now) if h.name not in SOFT_HOLDS}
+            == {HoldName.INFERENCE_VERIFICATION}
+        ]
+
+    def eligible(self, engine: EngineState, now: float) -> bool:
+        return any(
+            c.id == engine.id for r in self.roles_of(engine) for c in self.candidates(r, now)
+        )
+
+    @staticmethod
+    def roles_of(engine: EngineState) -> tuple[Role, ...]:
+        return (Role.PREFILL, Role.DECODE) if engine.role is Role.BOTH else (engine.role,)
+
+    def needed_roles(self) -> tuple[Role, ...]:
+        """Roles a request needs: both legs for a PD fleet, one for a unified fleet."""
+        if all(e.role is Role.BOTH for e in self._engines.values()):
+            return (Role.BOTH,)
+        return (Role.PREFILL, Role.DECODE)
+
+    def has_verified(self, role: Role) -> bool:
+        """Whether any engine serving `role` has been verified (ejected or not)."""
+        return any(e.verified and e.serves(role) for e in self._engines.values())
+
+    def roles_without_verified(self) -> list[Role]:
+        """Needed roles that no verified engine serves yet: `/ready` says `starting` for
+        them (an ejected engine that was verified still counts: that is lost capacity)."""
+        return [r for r in self.needed_roles() if not self.has_verified(r)]
