@@ -137,7 +137,8 @@ class Metrics:
         )
         self.evidence_streak = Gauge(
             "narwhal_evidence_streak",
-            "Current consecutive failure streak by engine and class",
+            "Current consecutive failure streak by engine and class (every class of every engine, "
+            "0 when none; read at scrape time)",
             ["engine", "failure_class"],
             registry=r,
         )
