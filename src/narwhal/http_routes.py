@@ -128,7 +128,7 @@ def add_routes(app: web.Application, router: Router) -> None:
         if isinstance(found, web.Response):
             return found
         engine_id, reason = found
-        router.operator_drain(engine_id, reason)
+        router.operator.drain(engine_id, reason)
         return web.json_response({"engine": engine_id, "hold": "operator_drain"})
 
     async def maintenance(request: web.Request) -> web.StreamResponse:
@@ -136,7 +136,7 @@ def add_routes(app: web.Application, router: Router) -> None:
         if isinstance(found, web.Response):
             return found
         engine_id, reason = found
-        await router.planned_maintenance(engine_id, reason)
+        await router.operator.maintenance(engine_id, reason)
         return web.json_response({"engine": engine_id, "hold": "planned_maintenance"})
 
     async def readmit(request: web.Request) -> web.StreamResponse:
@@ -144,7 +144,7 @@ def add_routes(app: web.Application, router: Router) -> None:
         if isinstance(found, web.Response):
             return found
         engine_id, reason = found
-        steps = await router.operator_readmit(engine_id, reason)
+        steps = await router.operator.readmit(engine_id, reason)
         ok = all(s["ok"] for s in steps)
         return web.json_response(
             {"engine": engine_id, "readmitted": ok, "steps": steps}, status=200 if ok else 409

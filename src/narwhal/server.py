@@ -21,21 +21,22 @@ from aiohttp import web
 
 from narwhal.clock import Clock, SystemClock
 from narwhal.config import Config
+from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
-from narwhal.control.health import Answer, HealthStages, check_health
+from narwhal.control.health import HealthStages
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.monitor import Monitor, Stage
+from narwhal.control.operator import OperatorActions
 from narwhal.control.ownership import Ownership
 from narwhal.control.probes import InferenceProber
 from narwhal.control.readmission import Readmission
 from narwhal.control.stages import SmallStages
+from narwhal.control.suspects import SuspectProbes
 from narwhal.dataplane.proxy import DataPlane
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.events import SuspectProbe
-from narwhal.fleet.holds import HoldName
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import ready_reason
 from narwhal.fleet.reducer import Policy
@@ -106,6 +107,7 @@ class Router:
         self.timeline = Timeline()
         self.evidence = EvidenceRecorder(self.fleet, self.clock, stats=self.stats)
         self.lifecycle = Lifecycle(self.fleet)
+        self.engine_tasks = EngineTasks(self._spawn_engine_task)
         self.dataplane = DataPlane(
             config,
             self.fleet,
@@ -128,6 +130,17 @@ class Router:
             self.metrics,
             self.adapters,
         )
+        self.suspects = SuspectProbes(
+            config,
+            self.fleet,
+            self.client,
+            self.adapters,
+            self.lifecycle,
+            self.metrics,
+            self.clock,
+            self.engine_tasks,
+        )
+        self.evidence.on_effect(self.suspects.on_effect)
         self.prober = InferenceProber(
             config,
             self.fleet,
@@ -148,6 +161,7 @@ class Router:
             self.adapters,
             self.clock,
         )
+        self.operator = OperatorActions(self.fleet, self.lifecycle, self.readmission, self.clock)
         self.small = SmallStages(
             config,
             self.fleet,
@@ -216,8 +230,6 @@ class Router:
             self.clock,
         )
         self._tasks: asyncio.TaskGroup | None = None
-        self._suspects: set[str] = set()
-        self.evidence.on_effect(self._on_effect)
 
     async def _telemetry_stage(self, now: float) -> None:
         await self.small.telemetry(now)
@@ -238,89 +250,29 @@ class Router:
     async def _health_stage(self, now: float) -> None:
         """Health sweep, then (re)schedule inference probes for held engines."""
         await self.health.health(now)
-        if self._tasks is not None:
-            self.prober.schedule(self._tasks.create_task)
+        self.prober.schedule(self.engine_tasks)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """A background task in the serving task group (shutdown cancels it), or a plain
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Background work of the active router: in the leadership scope, so fencing (and
+        shutdown) cancels it; None, `coro` closed, when this router does not lead. A plain
         task when the router is driven without `run` (tests)."""
-        if self._tasks is not None:
-            return self._tasks.create_task(coro)
-        return asyncio.get_running_loop().create_task(coro)
+        if self._tasks is None:
+            return asyncio.get_running_loop().create_task(coro)
+        if self.ownership is not None:
+            return self.ownership.spawn(coro)
+        return self._tasks.create_task(coro)
+
+    def _spawn_engine_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Probes and readmission attempts run only while the router serves."""
+        if self._tasks is None:
+            coro.close()
+            return None
+        return self._spawn(coro)
 
     async def _readmission_stage(self, now: float) -> None:
         """Start due readmission attempts as background tasks (a slow engine never delays
         the pass); shutdown cancels them with the task group."""
-        if self._tasks is not None:
-            self.readmission.schedule(now, self._tasks.create_task)
-
-    # ------------------------------------------------------------------ effects
-    def _on_effect(self, effect: SuspectProbe) -> None:
-        """Run what the reducer asked for: one suspect probe per engine at a time."""
-        if self._tasks is not None and effect.engine_id not in self._suspects:
-            self._suspects.add(effect.engine_id)
-            self._tasks.create_task(self._suspect_probe(effect.engine_id, effect.failure_class))
-
-    async def _suspect_probe(self, engine_id: str, cls: FailureClass) -> None:
-        """A timeout or overload streak: a failing health probe confirms it and ejects."""
-        try:
-            engine = self.fleet.get(engine_id)
-            if engine.ejected is not None:
-                return
-            result = await check_health(
-                self.client, self.adapters, engine, self.config.engine.health_timeout_s
-            )
-        finally:
-            self._suspects.discard(engine_id)
-        now = self.clock.monotonic()
-        self.metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
-        if result.answer is Answer.OK:
-            self.lifecycle.health_ok(engine, now, "suspect_probe")
-        elif result.answer is Answer.BUSY:  # never asked: the streak stands, nothing confirmed
-            log.warning("engine %s: suspect probe not run: %s", engine_id, result.failure)
-        else:
-            self.lifecycle.eject(engine, cls.value, f"suspect probe failed: {result.detail}", now)
-
-    # ------------------------------------------------------------------ operator actions
-    def operator_drain(self, engine_id: str, reason: str | None = None) -> None:
-        engine = self.fleet.get(engine_id)
-        self.lifecycle.hold(
-            engine,
-            HoldName.OPERATOR_DRAIN,
-            _with_reason("operator request", reason),
-            self.clock.monotonic(),
-        )
-
-    async def planned_maintenance(self, engine_id: str, reason: str | None = None) -> None:
-        """Drain and require a process strictly newer than the one running at request time.
-
-        The baseline is read from the engine now (see `Readmission.current_generation`) and
-        kept on the hold, so the handoff carries it through resume and takeover.
-        """
-        engine = self.fleet.get(engine_id)
-        baseline = await self.readmission.current_generation(engine, self.clock.wall())
-        self.lifecycle.hold(
-            engine,
-            HoldName.PLANNED_MAINTENANCE,
-            _with_reason(f"planned maintenance at generation {baseline}", reason),
-            self.clock.monotonic(),
-            newer_than=baseline,
-        )
-
-    async def operator_readmit(
-        self, engine_id: str, reason: str | None = None
-    ) -> list[dict[str, Any]]:
-        """Run the verification pipeline now; success readmits and clears drains."""
-        engine = self.fleet.get(engine_id)
-        results = await self.readmission.verify(engine)
-        if all(r.ok for r in results):
-            self.lifecycle.readmit(
-                engine,
-                _with_reason("operator readmission verified", reason),
-                self.clock.monotonic(),
-                operator=True,
-            )
-        return [r.to_json() for r in results]
+        self.readmission.schedule(now, self.engine_tasks)
 
     # ------------------------------------------------------------------ state views
     def _lease_json(self) -> dict[str, Any] | None:
@@ -488,11 +440,6 @@ class Router:
                 await self.ownership.keeper.store.close()
             await runner.cleanup()
             await self.client.close()
-
-
-def _with_reason(what: str, operator_reason: str | None) -> str:
-    """A hold or transition reason with the operator's own words, when given."""
-    return f"{what}: {operator_reason}" if operator_reason else what
 
 
 def _request_ids() -> Callable[[], str]:

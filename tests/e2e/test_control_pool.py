@@ -118,8 +118,8 @@ async def test_a_suspect_probe_that_cannot_get_a_control_connection_ejects_nothi
     # Something else holds the only control connection for longer than the probe may wait.
     async with router.client.control_slot(5.0):
         assert await _control_in_use(rr.url) == 1.0  # exported, read at scrape time
-        await router._suspect_probe("d0", FailureClass.TIMEOUT)
+        await router.suspects.probe("d0", FailureClass.TIMEOUT)
     assert router.fleet.get("d0").ejected is None
     # With the connection free, the same probe runs and a healthy engine passes it.
-    await router._suspect_probe("d0", FailureClass.TIMEOUT)
+    await router.suspects.probe("d0", FailureClass.TIMEOUT)
     assert router.fleet.get("d0").ejected is None

@@ -382,7 +382,7 @@ async def populated_router(config: Any, fs: Filesystem | None) -> Router:
     for i, engine in enumerate(router.fleet):  # a realistic mix of state
         router.fleet.apply(GenerationSeen(engine.id, 1_800_000_000.0 + i), now)
         if i % 8 == 1:
-            router.operator_drain(engine.id)
+            router.operator.drain(engine.id)
         elif i % 8 == 2:
             router.lifecycle.eject(engine, "connection", "refused", now)
         elif i % 8 == 3:

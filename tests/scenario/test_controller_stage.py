@@ -272,7 +272,7 @@ async def test_protection_does_not_override_a_blocking_hold(tmp_path: Path) -> N
     rig.interval(SLOW_P2)
     await rig.controller()
     rig.eject("p0")
-    rig.router.operator_drain("p1")
+    rig.router.operator.drain("p1")
     # p1 is drained (blocking) and p0 ejected: p2, held only for drift, still serves.
     assert rig.candidates(Role.PREFILL) == {"p2"}
 
@@ -593,7 +593,7 @@ async def test_rebalancing_never_empties_the_other_role(tmp_path: Path, other: s
     if other == "ejected":
         rig.eject("d0")
     else:
-        rig.router.operator_drain("d0")
+        rig.router.operator.drain("d0")
     assert rig.candidates(Role.DECODE) == {"d1"}
     assert pick(rig) is None
 

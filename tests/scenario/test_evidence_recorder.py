@@ -382,7 +382,7 @@ async def test_suspect_probe_200_clears_timeout_and_overload_evidence(live: Live
         for _ in range(times):
             live.router.fleet.apply(LegFailed("p0", cls, "x", "test"), now)
     assert live.p0().evidence == {C.TIMEOUT: 3, C.OVERLOAD: 1, C.STREAM: 1}
-    await live.router._suspect_probe("p0", C.TIMEOUT)
+    await live.router.suspects.probe("p0", C.TIMEOUT)
     assert live.p0().ejected is None
     assert live.p0().evidence == {C.STREAM: 1}
 
@@ -394,7 +394,7 @@ async def test_suspect_probe_200_resets_the_liveness_counter(live: Live) -> None
     assert live.p0().liveness_misses == 2
     # a timeout streak makes the router run a suspect health probe; the engine answers 200
     live.engine.mode = "ok"
-    await live.router._suspect_probe("p0", C.TIMEOUT)
+    await live.router.suspects.probe("p0", C.TIMEOUT)
     assert live.p0().ejected is None
     assert live.p0().liveness_misses == 0
     # one silent sweep after a successful health response is one miss, not three

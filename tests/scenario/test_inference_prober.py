@@ -10,7 +10,7 @@ tests/e2e/test_failures_*.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,13 +19,14 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, Role, parse_config
+from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.probes import InferenceProber, ProbeResult, Verdict
 from narwhal.engine.adapter import PrefillReply
 from narwhal.engine.failures import EngineFailure, FailureClass
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.state import EngineState
 from narwhal.server import Router
-from tests.support.fleet import set_in_flight, verify_all
+from tests.support.fleet import collecting_tasks, set_in_flight, verify_all
 
 C = FailureClass
 IV = HoldName.INFERENCE_VERIFICATION
@@ -96,7 +97,11 @@ class Rig:
     clock: FakeClock
     prober: FakeProber
     legs: FakeLegs
-    spawned: list[Coroutine[Any, Any, None]] = field(default_factory=list)
+    spawned: list[asyncio.Task[None]] = field(default_factory=list)
+    tasks: EngineTasks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tasks = collecting_tasks(self.spawned)
 
     @property
     def now(self) -> float:
@@ -115,12 +120,13 @@ class Rig:
     def schedule(self) -> int:
         """One monitor pass's probe scheduling; returns how many probes it started."""
         before = len(self.spawned)
-        self.prober.schedule(self.spawned.append)
+        self.prober.schedule(self.tasks)
         return len(self.spawned) - before
 
     async def run_probes(self) -> None:
         """Let every started probe conclude (each applies its own result)."""
-        probes, self.spawned = self.spawned, []
+        probes = list(self.spawned)
+        self.spawned.clear()  # the same list the tasks append to
         await asyncio.gather(*probes)
 
     def metric(self, name: str, **labels: str) -> float:

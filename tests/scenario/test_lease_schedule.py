@@ -177,3 +177,35 @@ async def test_a_degraded_active_is_preempted_at_the_threshold_not_before(tmp_pa
         }
         assert p.a.keeper.role is Role.FENCED
         assert p.a.keeper.fence_reason
+
+
+async def test_work_started_while_leading_is_cancelled_when_the_holder_fences(
+    tmp_path: Path,
+) -> None:
+    """Probes, readmission attempts and rebalancing verifications go through
+    `Ownership.spawn`: they run in the leadership scope, so the fencing that ends a holder's
+    lease cancels them; a router that does not lead starts nothing."""
+    ready = ActiveReady()
+    async with pair(tmp_path, ready) as p:
+        cancelled = asyncio.Event()
+
+        async def probe() -> None:  # a probe against an engine that never answers
+            try:
+                await asyncio.get_running_loop().create_future()
+            finally:
+                cancelled.set()
+
+        task = p.a.spawn(probe())
+        assert task is not None
+        refused = probe()
+        assert p.b.spawn(refused) is None  # the standby starts nothing...
+        assert refused.cr_frame is None  # ...and closes the work unstarted
+        await p.clock.run_for(10.5)
+        assert not task.done()
+        ready.answer = DEGRADED
+        await p.watch(20.0)  # preempted at T0 + 13; router-a fences at T0 + 14
+        assert p.a.keeper.role is Role.FENCED
+        assert task.cancelled() and cancelled.is_set()
+        heir = p.b.spawn(asyncio.sleep(0))
+        assert heir is not None
+        await heir

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from narwhal.control.readmission import Readmission, StepResult, attempt_due
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.state import EngineState
 from narwhal.server import Router
+from tests.support.fleet import collecting_tasks
 from tests.support.router import router_config
 
 INTERVAL_S = 1.0
@@ -82,7 +82,8 @@ class Rig:
         self.clock = FakeClock()
         self.router = Router(config, clock=self.clock)
         self.readmission = ScriptedReadmission(self.router, self.clock)
-        self.started: list[Coroutine[Any, Any, None]] = []
+        self.started: list[asyncio.Task[None]] = []
+        self.tasks = collecting_tasks(self.started)
 
     @property
     def now(self) -> float:
@@ -97,7 +98,7 @@ class Rig:
     def run_stage(self) -> int:
         """One `readmission` stage; returns how many attempts it started."""
         before = len(self.started)
-        self.readmission.schedule(self.now, self.started.append)
+        self.readmission.schedule(self.now, self.tasks)
         return len(self.started) - before
 
     async def finish(self, results: list[StepResult]) -> None:
@@ -105,16 +106,18 @@ class Rig:
         await self.readmission.outcomes.put(results)
         await self.started.pop(0)
 
-    def close(self) -> None:
-        for coro in self.started:
-            coro.close()
+    async def close(self) -> None:
+        """Cancel the attempts the test did not finish."""
+        for task in self.started:
+            task.cancel()
+        await asyncio.gather(*self.started, return_exceptions=True)
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Any:
+async def rig(tmp_path: Path) -> Any:
     r = Rig(tmp_path)
     yield r
-    r.close()
+    await r.close()
 
 
 async def test_failed_attempts_back_off_exponentially_up_to_the_cap(rig: Rig) -> None:
@@ -147,11 +150,11 @@ async def test_one_attempt_per_engine_at_a_time_and_none_while_quarantined(
         assert rig.e("p0").ejected is None and rig.e("p0").holds == {}
         assert rig.readmission.verified == ["p0"]
     finally:
-        rig.close()
+        await rig.close()
 
 
 async def test_a_drain_alone_is_never_retried_and_success_resets_the_backoff(rig: Rig) -> None:
-    rig.router.operator_drain("p1")
+    rig.router.operator.drain("p1")
     rig.clock.advance(100)
     assert rig.run_stage() == 0
 

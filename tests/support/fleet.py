@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
+from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.events import Event, LegFailed, SuspectProbe, VerificationSeen
@@ -61,3 +64,15 @@ def force_state(fleet: Fleet, engine_id: str, **changes: Any) -> None:
     """Set an engine's state past the reducer, for a situation no event produces (such as
     forgetting a learned limit); everything else in tests goes through `Fleet.apply`."""
     fleet._engines[engine_id] = replace(fleet.get(engine_id), **changes)
+
+
+def collecting_tasks(started: list[asyncio.Task[None]]) -> EngineTasks:
+    """Engine tasks as real tasks, also kept in `started` for the test to await (one per
+    engine and kind at a time, as in the router)."""
+
+    def spawn(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        started.append(task)
+        return task
+
+    return EngineTasks(spawn)

@@ -72,6 +72,7 @@ class Ownership:
         self._leadership = tuple(leadership)
         self._group: asyncio.TaskGroup | None = None
         self.leading: asyncio.Task[None] | None = None  # the leadership scope, while active
+        self._scope: asyncio.TaskGroup | None = None  # its task group, once it runs
 
     async def start(self, standby: bool) -> None:
         """A non-standby router takes a free or expired lease at start; else it follows,
@@ -114,16 +115,31 @@ class Ownership:
         Called right after every step that can change the role (renewal, acquisition, a
         handoff write refused by the epoch guard)."""
         active = self.keeper.role is Role.ACTIVE
-        if active and self.leading is None and self._group is not None and self._leadership:
+        if active and self.leading is None and self._group is not None:
             self.leading = self._group.create_task(self._lead())
         elif not active and self.leading is not None:
             self.leading.cancel()
             self.leading = None
 
     async def _lead(self) -> None:
-        async with asyncio.TaskGroup() as scope:
-            for work in self._leadership:
-                scope.create_task(work())
+        """The leadership scope: the holder's own loops, and whatever `spawn` starts while it
+        is open; it stays open until cancelled."""
+        try:
+            async with asyncio.TaskGroup() as scope:
+                self._scope = scope
+                for work in self._leadership:
+                    scope.create_task(work())
+                await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self._scope = None
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Start `work` in the leadership scope (fencing cancels it); None, with `work`
+        closed unstarted, when this router is not leading."""
+        if self._scope is None or self.keeper.role is not Role.ACTIVE:
+            work.close()
+            return None
+        return self._scope.create_task(work)
 
     async def standby_step(self) -> None:
         await self.follow()

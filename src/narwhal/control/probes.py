@@ -14,7 +14,6 @@ then clears both; each engine is charged only in its own probe.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -24,6 +23,7 @@ import orjson
 
 from narwhal.clock import Clock
 from narwhal.config import Config, Role
+from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.sse import SseScanner
@@ -70,7 +70,7 @@ class Inconclusive(Exception):
     """The probe could not conclude for a reason that is not the engine's (no free slot)."""
 
 
-Spawn = Callable[[Coroutine[Any, Any, None]], object]
+PROBE = "inference_probe"
 
 
 class InferenceProber:
@@ -91,25 +91,20 @@ class InferenceProber:
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._clock = clock
-        self._running: set[str] = set()
         self.last: dict[str, ProbeResult] = {}
 
-    def schedule(self, spawn: Spawn) -> None:
+    def schedule(self, tasks: EngineTasks) -> None:
         """Start a probe for every held engine that has none running (called each pass)."""
         for engine in self._fleet:
             if (
                 HoldName.INFERENCE_VERIFICATION in engine.holds
                 and engine.ejected is None
-                and engine.id not in self._running
+                and not tasks.busy(PROBE, engine.id)
             ):
-                self._running.add(engine.id)
-                spawn(self._probe_and_apply(engine))
+                tasks.start(PROBE, engine.id, self._probe_and_apply(engine))
 
     async def _probe_and_apply(self, engine: EngineState) -> None:
-        try:
-            result = await self.probe(engine)
-        finally:
-            self._running.discard(engine.id)
+        result = await self.probe(engine)
         self.apply(engine, result, self._clock.monotonic())
 
     def apply(self, engine: EngineState, result: ProbeResult, now: float) -> None:

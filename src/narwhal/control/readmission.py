@@ -17,9 +17,10 @@ import orjson
 from narwhal.clock import Clock
 from narwhal.config import KV_ROLE_PERMITS, Config, Role
 from narwhal.control.attestation import Outcome, attest
+from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.health import Answer, check_health
 from narwhal.control.lifecycle import Lifecycle
-from narwhal.control.probes import Inconclusive, InferenceProber, Spawn
+from narwhal.control.probes import Inconclusive, InferenceProber
 from narwhal.engine.adapter import HandoffRefused
 from narwhal.engine.failures import EngineFailure
 from narwhal.engine.registry import Adapters
@@ -32,6 +33,8 @@ from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.readmission")
+
+ATTEMPT = "readmission"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +121,6 @@ class Readmission:
         self._clock = clock
         self._next_try: dict[str, float] = {}
         self._attempts: dict[str, int] = {}
-        self._running: set[str] = set()
         self.last_results: dict[str, list[StepResult]] = {}
 
     async def current_generation(self, engine: EngineState, requested_at_wall: float) -> float:
@@ -139,7 +141,7 @@ class Readmission:
         self._fleet.apply(GenerationSeen(engine.id, generation), self._clock.monotonic())
         return generation
 
-    def schedule(self, now: float, spawn: Spawn) -> None:
+    def schedule(self, now: float, tasks: EngineTasks) -> None:
         """The `readmission` stage: start due attempts in the background, never wait for one.
 
         A slow engine must not delay the monitor pass; each attempt's result is applied by
@@ -150,20 +152,18 @@ class Readmission:
                 self._next_try.pop(engine.id, None)
                 self._attempts.pop(engine.id, None)
                 continue
-            running = engine.id in self._running
+            running = tasks.busy(ATTEMPT, engine.id)
             if attempt_due(engine, now, self._next_try.get(engine.id), running):
-                self._running.add(engine.id)
                 # The maintenance hold as it is now: the attempt checks against its baseline.
-                spawn(self._attempt(engine, engine.holds.get(HoldName.PLANNED_MAINTENANCE)))
+                maintenance = engine.holds.get(HoldName.PLANNED_MAINTENANCE)
+                tasks.start(ATTEMPT, engine.id, self._attempt(engine, maintenance))
 
     async def _attempt(self, engine: EngineState, maintenance: Hold | None) -> None:
         try:
             results = await self.verify(engine)
-        except Exception:  # a bug must not take the task group (and the router) down
+        except Exception:  # a crash is a failed attempt: it backs off like one
             log.exception("engine %s: readmission attempt crashed", engine.id)
             results = [StepResult("health", False, "readmission attempt crashed")]
-        finally:
-            self._running.discard(engine.id)
         self.apply(engine, results, maintenance, self._clock.monotonic())
 
     def apply(

@@ -25,7 +25,8 @@ from narwhal.telemetry.metrics import Metrics
 log = logging.getLogger("narwhal.stages")
 
 VerifyRole = Callable[[EngineState, Role], Awaitable[tuple[bool, str]]]
-Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None] | None"]
+"""Start work in the background (the leadership scope); None when this router does not lead."""
 
 
 def consolidation_risk(
@@ -227,7 +228,11 @@ class SmallStages:
             role.value,
             extra={"engine": engine.id, "to": role.value},
         )
-        self.verification = self._spawn(self._verify(engine, role))
+        task = self._spawn(self._verify(engine, role))
+        if task is None:  # no longer leading: the next holder decides afresh
+            self.verifying = None
+            return
+        self.verification = task
 
     async def _verify(self, engine: EngineState, role: Role) -> None:
         try:

@@ -1,0 +1,57 @@
+"""The package layout is the architecture (DESIGN §8.1): nothing imports upward.
+
+`fleet` (engine state and its one owner) is a leaf under everything but the protocol's
+failure taxonomy; the data plane and durable state read it and never import the control
+plane, which is the only layer that wires the others together below `server`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "narwhal"
+
+ALLOWED: dict[str, set[str]] = {
+    "fleet": {"clock", "config", "engine"},
+    "engine": {"clock", "config"},
+    "dataplane": {"clock", "config", "engine", "fleet", "telemetry"},
+    "state": {"clock", "config", "fleet", "telemetry"},
+    "telemetry": {"clock", "config", "engine", "fleet"},
+    "control": {"clock", "config", "dataplane", "engine", "fleet", "state", "telemetry"},
+}
+
+
+def imported_packages(package: str) -> set[str]:
+    found: set[str] = set()
+    for path in (SRC / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[0] == "narwhal" and len(parts) > 1:
+                    found.add(parts[1])
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == "narwhal" and len(parts) > 1:
+                        found.add(parts[1])
+    return found - {package}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_a_package_imports_only_the_layers_below_it(package: str) -> None:
+    assert imported_packages(package) <= ALLOWED[package]
+
+
+def test_the_engine_state_leaf_takes_only_the_failure_taxonomy_from_engine() -> None:
+    modules = {
+        node.module
+        for path in (SRC / "fleet").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("narwhal.engine")
+    }
+    assert modules == {"narwhal.engine.failures"}
