@@ -124,14 +124,16 @@ class Ownership:
     async def _lead(self) -> None:
         """The leadership scope: the holder's own loops, and whatever `spawn` starts while it
         is open; it stays open until cancelled."""
+        scope = asyncio.TaskGroup()
         try:
-            async with asyncio.TaskGroup() as scope:
+            async with scope:
                 self._scope = scope
                 for work in self._leadership:
                     scope.create_task(work())
                 await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
-            self._scope = None
+            if self._scope is scope:  # a later term may have opened its own already
+                self._scope = None
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         """Start `work` in the leadership scope (fencing cancels it); None, with `work`
