@@ -42,4 +42,6 @@ class EvidenceRecorder:
                 handler(effect)
 
     def success(self, engine_id: str, kind: SuccessKind, leg: str) -> None:
+        if not self._fleet.get(engine_id).evidence:
+            return  # the hot path (every successful leg): nothing to clear, no event to send
         self._fleet.apply(LegSucceeded(engine_id, kind, leg), self._clock.monotonic())
