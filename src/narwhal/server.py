@@ -16,7 +16,6 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from narwhal.clock import Clock, SystemClock
@@ -47,18 +46,12 @@ from narwhal.state.etcd_status import EtcdStatusWatch, status_interval_s
 from narwhal.state.etcd_store import EtcdLeaseStore
 from narwhal.state.file_store import FileLeaseStore
 from narwhal.state.handoff import (
-    MAX_SEQUENCE,
     HandoffWriter,
-    UnreadableHandoff,
     Verdict,
-    apply_document,
-    check_document,
-    load_schema,
-    read_handoff,
-    refused,
 )
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
+from narwhal.state.resume import continue_sequence, resume
 from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
 from narwhal.telemetry.metrics import Metrics
@@ -282,42 +275,6 @@ class Router:
         """Runs monitor passes: always without a lease, else only while holding it."""
         return self.ownership is None or self.ownership.keeper.role is LeaseRole.ACTIVE
 
-    async def apply_saved_state(self) -> Verdict:
-        """`--resume`: apply the saved handoff only if schema and engine set match."""
-        path = self.handoff.path
-        try:
-            raw = await asyncio.to_thread(read_handoff, path)
-        except UnreadableHandoff as exc:
-            verdict = refused("unreadable", str(exc))
-        else:
-            verdict = check_document(raw, self.config, load_schema(), now_wall_s=self.clock.wall())
-        if verdict.ok and verdict.document is not None:
-            apply_document(verdict.document, self.fleet, self.clock)
-            self.handoff.continue_from(verdict.document)
-            log.info("resume: %s", verdict.reason)
-        else:
-            log.warning("resume: starting fresh: %s", verdict.reason)
-        self.metrics.handoff_resume.labels("applied" if verdict.ok else "refused").inc()
-        if not verdict.ok:
-            self.metrics.handoff_resume_refusals.labels(verdict.code).inc()
-        self.resume_verdict = verdict
-        return verdict
-
-    async def continue_sequence(self) -> None:
-        """Continue the sequence from the saved file's even when nothing saved is applied (no
-        --resume, or a refused one), so it stays monotonic across restarts (DESIGN §4)."""
-        try:
-            raw = await asyncio.to_thread(read_handoff, self.handoff.path)
-            sequence = orjson.loads(raw)["sequence"] if raw else None
-        except (UnreadableHandoff, orjson.JSONDecodeError, TypeError, KeyError):
-            return
-        if sequence is not None and not self.handoff.continue_numbering(sequence):
-            log.warning(
-                "handoff: ignoring saved sequence %r (not an integer in [1, %d])",
-                sequence,
-                MAX_SEQUENCE,
-            )
-
     def roles_without_capacity(self) -> list[Any]:
         now = self.clock.monotonic()
         return [r for r in self.fleet.needed_roles() if not self.fleet.candidates(r, now)]
@@ -401,9 +358,11 @@ class Router:
             log.info("removed %d stale handoff temporary files", len(removed))
         await self.client.start()
         if self.resume:
-            await self.apply_saved_state()
+            self.resume_verdict = await resume(
+                self.config, self.handoff, self.fleet, self.clock, self.metrics
+            )
         if self.resume_verdict is None or not self.resume_verdict.ok:
-            await self.continue_sequence()  # an applied resume already continued it
+            await continue_sequence(self.handoff)  # an applied resume already continued it
         if self.ownership is not None:
             await self.ownership.start(self.standby)
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)

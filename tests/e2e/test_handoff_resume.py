@@ -204,7 +204,7 @@ async def test_drain_quarantine_and_ejection_survive_a_restart(
     start_router: StartRouter,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="narwhal.router")
+    caplog.set_level(logging.INFO, logger="narwhal.resume")
     recovery = {"failure_quarantine_s": QUARANTINE_S}
     fs = TrackingFilesystem()
     first = await start_router(with_dead, recovery=recovery, router_kwargs={"filesystem": fs})
@@ -464,7 +464,7 @@ async def test_a_mismatched_or_damaged_handoff_is_refused_and_the_router_starts_
     expected: str,
     code: str,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="narwhal.router")
+    caplog.set_level(logging.INFO, logger="narwhal.resume")
     path = tmp_path / "state" / "handoff.json"
     path.parent.mkdir()
     refused = make(live, tmp_path) if make is not None else None

@@ -28,6 +28,7 @@ from narwhal.control.stages import SmallStages, consolidation_risk, rebalance_ca
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.state import EngineState
 from narwhal.server import Router
+from narwhal.state.resume import resume
 from tests.support.fleet import set_in_flight, verify_all
 from tests.support.poll import eventually
 from tests.support.router import router_config
@@ -661,7 +662,7 @@ async def test_passed_verification_switches_and_the_role_is_persisted(tmp_path: 
 
     # A restart with --resume restores the moved role.
     again = Router(rig.router.config, clock=rig.clock, resume=True)
-    verdict = await again.apply_saved_state()
+    verdict = await resume(again.config, again.handoff, again.fleet, again.clock, again.metrics)
     assert verdict.ok, verdict.reason
     assert again.fleet.get("d1").role is Role.PREFILL
 
