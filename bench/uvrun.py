@@ -1,4 +1,4 @@
-"""Run a module under uvloop, from the project's interpreter: `python -m bench.uvrun MODULE ARGS...`.
+"""Run a module under uvloop from the project's interpreter: `python -m bench.uvrun MODULE ARGS`.
 
 The routers under test (Narwhal, `bench.floor`, `bench.floor_raw`) run on the project's .venv,
 which has Narwhal's pins and no uvloop. This launcher makes exactly two packages of the bench
