@@ -21,12 +21,16 @@ CLIENT_GRACE_S = 2.0
 
 def router_spec(name: str) -> RouterSpec:
     """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `floor`
-    (bench.floor: the HTTP stack's own cost), `direct`."""
-    if name in ("direct", "floor"):
+    (bench.floor: the HTTP stack's own cost), `direct`; `narwhal-uvloop` and `floor-uvloop`
+    (the same on uvloop), `floor-raw` (bench.floor_raw: the floor on asyncio protocols,
+    httptools and uvloop)."""
+    if name in ("direct", "floor", "floor-raw"):
         return RouterSpec(name, name)
+    if name == "floor-uvloop":
+        return RouterSpec(name, "floor", uvloop=True)
     if name.startswith("narwhal"):
         policy = "bounded" if name.endswith("bounded") else "single_attempt"
-        return RouterSpec(name, "narwhal", policy=policy)
+        return RouterSpec(name, "narwhal", policy=policy, uvloop=name.endswith("-uvloop"))
     kind = name.removesuffix("-hc1")
     return RouterSpec(name, kind, health_interval_s=1.0 if name.endswith("-hc1") else None)
 

@@ -23,7 +23,8 @@ BOOTSTRAP_PORT = "8998"  # SGLang's KV bootstrap port: announced to engines, nev
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
-    """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor or direct."""
+    """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor, floor-raw or
+    direct. `uvloop`: Narwhal or a floor started through `bench.uvrun` (floor-raw always is)."""
 
     name: str
     kind: str
@@ -31,6 +32,7 @@ class RouterSpec:
     health_interval_s: float | None = None  # peers: None keeps the default
     narwhal: dict[str, Any] = field(default_factory=dict)  # extra Narwhal config sections
     snapshots: Path | None = None  # Narwhal under tracemalloc, snapshots here (bench.traced)
+    uvloop: bool = False
 
 
 @dataclass(slots=True)
@@ -102,8 +104,9 @@ async def _start(
     url = f"http://127.0.0.1:{port}"
     log_dir = work / "logs"
     config: dict[str, Any] | None = None
-    if spec.kind == "floor":
-        argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
+    if spec.kind in ("floor", "floor-raw"):
+        module = "bench.floor" if spec.kind == "floor" else "bench.floor_raw"
+        argv = [sys.executable, *_launch(spec, module), "--port", str(port)]
         argv += ["--prefill", engines.prefill[0]]
         for u in engines.decode:
             argv += ["--decode", u]
@@ -112,7 +115,7 @@ async def _start(
         config = narwhal_config(spec, engines, port, work / "state" / spec.name)
         config["serving"].setdefault("request_timeout_s", request_timeout_s)
         path = _write_config(work / "state" / spec.name, config)
-        argv = [sys.executable, "-m", "narwhal.cli.serve", "--config", str(path)]
+        argv = [sys.executable, *_launch(spec, "narwhal.cli.serve"), "--config", str(path)]
         if spec.snapshots is not None:
             argv[1:3] = ["-m", "bench.traced", str(spec.snapshots)]
         argv += ["--log-level", "WARNING"]
@@ -129,6 +132,13 @@ async def _start(
         await proc.stop()
         raise
     return Running(spec, url, proc, argv, config)
+
+
+def _launch(spec: RouterSpec, module: str) -> list[str]:
+    """`-m MODULE`, or `-m bench.uvrun MODULE` to run it on uvloop."""
+    if spec.uvloop or spec.kind == "floor-raw":
+        return ["-m", "bench.uvrun", module]
+    return ["-m", module]
 
 
 def _write_config(state: Path, config: dict[str, Any]) -> Path:

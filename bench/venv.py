@@ -1,4 +1,4 @@
-"""The benchmark's own virtualenv (bench/.venv): the peer routers, py-spy and uvloop.
+"""The benchmark's own virtualenv (bench/.venv): the peer routers, py-spy, uvloop and httptools.
 
 Kept apart from the project's .venv so that the peers' dependencies never touch Narwhal's pins.
 Each package is installed on its own, so one that cannot be installed is reported by name
@@ -19,6 +19,9 @@ PACKAGES = {
     "py-spy": "py-spy==0.4.3",
     "uvloop": "uvloop==0.23.0",
     "aiohttp": "aiohttp==3.14.5",  # the load generator's client, same pin as Narwhal's
+    # bench.floor_raw's HTTP parser (llhttp); lent with uvloop to the project's interpreter
+    # by bench.uvrun, never installed into the project's .venv
+    "httptools": "httptools==0.9.0",
 }
 VENV = Path(__file__).resolve().parent / ".venv"
 
