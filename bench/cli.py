@@ -23,7 +23,7 @@ from bench.context import PEER_KINDS, Context, jsonable, load_python, loadavg
 from bench.loadgen.driver import LoadGen
 from bench.modes import MODES
 from bench.report.render import render
-from bench.suites import control, faults, llama, overhead, profile, soak, streams
+from bench.suites import control, faults, floor_ab, llama, overhead, profile, soak, streams
 from bench.tokenizer import write_tokenizer
 from bench.venv import BenchVenv, ensure_venv
 
@@ -36,6 +36,7 @@ SUITES: dict[str, Suite] = {
     "profile": profile.run,
     "llama": llama.run,
     "soak": soak.run,
+    "floor_ab": floor_ab.run,
 }
 
 

@@ -43,6 +43,20 @@ class Mode:
     soak_s: float = 60.0
     soak_seed: int = 99
     soak_routers: tuple[str, ...] = ("narwhal", "vllm-router", "sglang-router")
+    # the HTTP stack A/B, router-bound (bench.suites.floor_ab; run it with --suites floor_ab)
+    floor_ab_targets: tuple[str, ...] = (
+        "direct",
+        "floor",
+        "floor-uvloop",
+        "floor-raw",
+        "narwhal",
+        "narwhal-uvloop",
+        "vllm-router",
+        "sglang-router",
+    )
+    floor_ab_s: float = 4.0  # seconds per measured run
+    floor_ab_c: int = 64  # concurrent clients
+    floor_ab_reps: int = 3
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
@@ -82,6 +96,9 @@ MODES = {
         llama_tokens=4,
         llama_threads=2,
         suites=("overhead", "streams", "faults", "control", "profile"),
+        floor_ab_s=0.6,
+        floor_ab_c=8,
+        floor_ab_reps=1,
     ),
     "full": Mode(
         name="full",

@@ -9,6 +9,7 @@ from bench.report import (
     control,
     discussion,
     faults,
+    floor_ab,
     llama,
     method,
     overhead,
@@ -45,6 +46,7 @@ SUITES = (
     ("faults", "Goodput under faults", faults.render),
     ("control", "Control-plane cost", control.render),
     ("profile", "Hot-path profile (Narwhal)", profile.render),
+    ("floor_ab", "HTTP stack: the floor three ways, and uvloop", floor_ab.render),
     ("soak", "Chaos soak", soak.render),
     ("llama", "Real engines: time to first token with and without the PD split", llama.render),
 )
