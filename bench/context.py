@@ -23,8 +23,8 @@ def router_spec(name: str) -> RouterSpec:
     """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `floor`
     (bench.floor: the HTTP stack's own cost), `direct`; `narwhal-uvloop` and `floor-uvloop`
     (the same on uvloop), `floor-raw` (bench.floor_raw: the floor on asyncio protocols,
-    httptools and uvloop)."""
-    if name in ("direct", "floor", "floor-raw"):
+    httptools and uvloop), `floor-granian` (bench.floor_granian: granian serving)."""
+    if name in ("direct", "floor", "floor-raw", "floor-granian"):
         return RouterSpec(name, name)
     if name == "floor-uvloop":
         return RouterSpec(name, "floor", uvloop=True)

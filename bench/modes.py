@@ -49,6 +49,7 @@ class Mode:
         "floor",
         "floor-uvloop",
         "floor-raw",
+        "floor-granian",
         "narwhal",
         "narwhal-uvloop",
         "vllm-router",

@@ -18,13 +18,15 @@ from bench import web
 from bench.procs import Proc, free_port, spawn
 from bench.venv import BenchVenv
 
+REPO = Path(__file__).resolve().parents[1]
 BOOTSTRAP_PORT = "8998"  # SGLang's KV bootstrap port: announced to engines, never used by the sim
 
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
-    """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor, floor-raw or
-    direct. `uvloop`: Narwhal or a floor started through `bench.uvrun` (floor-raw always is)."""
+    """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor, floor-raw,
+    floor-granian or direct. `uvloop`: Narwhal or a floor started through `bench.uvrun`
+    (floor-raw always is)."""
 
     name: str
     kind: str
@@ -104,12 +106,19 @@ async def _start(
     url = f"http://127.0.0.1:{port}"
     log_dir = work / "logs"
     config: dict[str, Any] | None = None
+    env: dict[str, str] = {}
     if spec.kind in ("floor", "floor-raw"):
         module = "bench.floor" if spec.kind == "floor" else "bench.floor_raw"
         argv = [sys.executable, *_launch(spec, module), "--port", str(port)]
         argv += ["--prefill", engines.prefill[0]]
         for u in engines.decode:
             argv += ["--decode", u]
+        ready = "/health"
+    elif spec.kind == "floor-granian":
+        if venv is None or not venv.has("granian"):
+            raise RuntimeError(f"{spec.name}: the bench virtualenv has no granian")
+        argv = granian_argv(venv, port)
+        env = {"FLOOR_PREFILL": engines.prefill[0], "FLOOR_DECODE": ",".join(engines.decode)}
         ready = "/health"
     elif spec.kind == "narwhal":
         config = narwhal_config(spec, engines, port, work / "state" / spec.name)
@@ -125,13 +134,21 @@ async def _start(
             raise RuntimeError(f"{spec.name}: the bench virtualenv is not available")
         argv = peer_argv(spec, engines, port, venv, request_timeout_s)
         ready = "/health"
-    proc, _ = await spawn(spec.name, argv, log_dir)
+    proc, _ = await spawn(spec.name, argv, log_dir, env=env)
     try:
         await web.wait_until(url + ready, timeout_s=60, alive=lambda: proc.alive)
     except BaseException:
         await proc.stop()
         raise
     return Running(spec, url, proc, argv, config)
+
+
+def granian_argv(venv: BenchVenv, port: int) -> list[str]:
+    """bench.floor_granian under granian: one worker, its event loop on uvloop."""
+    argv = [str(venv.bin / "granian"), "--interface", "rsgi", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--workers", "1", "--loop", "uvloop", "--no-ws"]
+    argv += ["--log-level", "warning", "--no-access-log", "--working-dir", str(REPO)]
+    return [*argv, "bench.floor_granian:app"]
 
 
 def _launch(spec: RouterSpec, module: str) -> list[str]:

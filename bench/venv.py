@@ -22,6 +22,7 @@ PACKAGES = {
     # bench.floor_raw's HTTP parser (llhttp); lent with uvloop to the project's interpreter
     # by bench.uvrun, never installed into the project's .venv
     "httptools": "httptools==0.9.0",
+    "granian": "granian==2.8.7",  # bench.floor_granian's server (it runs in this venv)
 }
 VENV = Path(__file__).resolve().parent / ".venv"
 

@@ -46,6 +46,7 @@ STACKS = {
     "floor": "aiohttp",
     "floor-uvloop": "aiohttp",
     "floor-raw": "protocols + httptools",
+    "floor-granian": "granian (Rust) + aiohttp client",
     "narwhal": "aiohttp",
     "narwhal-uvloop": "aiohttp",
     "vllm-router": "Rust (tokio)",
@@ -179,6 +180,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         spec = router_spec(name)
         needs = ["uvloop"] if spec.uvloop else []
         needs += ["uvloop", "httptools"] if spec.kind == "floor-raw" else []
+        needs += ["granian"] if spec.kind == "floor-granian" else []
         missing = [n for n in needs if not ctx.venv.has(n)]
         if missing:
             ctx.skipped[name] = f"bench venv lacks {', '.join(missing)}"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 import os
 
+from bench import floor_granian
 from bench.report.floor_ab import gain
 from bench.suites.floor_ab import descendants, tree_usage
+
+from narwhal.engine.vllm import PREFILL_KV_PARAMS
 
 
 def test_descendants_are_the_root_and_everything_below_it_only() -> None:
@@ -39,3 +42,7 @@ def test_gain_is_base_over_other_and_nan_when_a_side_is_missing_or_zero() -> Non
     assert math.isclose(gain(med, "no", "floor-raw", "floor", "throughput"), 1.5)
     assert math.isnan(gain(med, "no", "floor", "narwhal", key))
     assert math.isnan(gain(med, "yes", "floor", "floor-raw", key))
+
+
+def test_the_granian_floor_asks_prefill_for_the_same_handoff_as_narwhal() -> None:
+    assert floor_granian.PREFILL_KV_PARAMS == PREFILL_KV_PARAMS  # a copy: it cannot import it

@@ -1,13 +1,14 @@
-"""`bench.floor_raw` (the floor on asyncio protocols + httptools, on uvloop) really relays a PD
-round trip in both stream modes, over keep-alive connections on both sides, so the HTTP stack
-A/B in docs/benchmarks.md compares stacks doing the same work.
+"""The HTTP stack A/B's other floors really relay a PD round trip in both stream modes, over
+keep-alive client connections, so the comparison in docs/benchmarks.md is between stacks doing
+the same work: `bench.floor_raw` (asyncio protocols + httptools, on uvloop, through
+`bench.uvrun`) and `bench.floor_granian` (granian serving, aiohttp client).
 
-It runs through `bench.uvrun`, which borrows uvloop and httptools from bench/.venv: skipped
-where that venv (made by `make bench`) lacks them.
+Both need packages of bench/.venv (made by `make bench`): skipped where it lacks them.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,29 +16,49 @@ from collections.abc import Iterator
 import aiohttp
 import orjson
 import pytest
-from bench.venv import VENV
+from bench.routers import granian_argv
+from bench.venv import VENV, BenchVenv
 
 from tests.support.etcd import free_port
 from tests.support.poll import eventually
 from tests.support.sim_process import SimFactory, SimProcess
 
-pytestmark = pytest.mark.skipif(
-    not any(VENV.glob("lib/python3*/site-packages/httptools"))
-    or not any(VENV.glob("lib/python3*/site-packages/uvloop")),
-    reason="bench/.venv has no uvloop and httptools (make bench creates it)",
-)
+
+def _has(package: str) -> bool:
+    return any(VENV.glob(f"lib/python3*/site-packages/{package}"))
 
 
-@pytest.fixture
-def floor_raw(sim_factory: SimFactory) -> Iterator[tuple[str, SimProcess, SimProcess]]:
+FLOORS = [
+    pytest.param(
+        "floor-raw",
+        marks=pytest.mark.skipif(
+            not (_has("uvloop") and _has("httptools")), reason="no uvloop/httptools in bench/.venv"
+        ),
+    ),
+    pytest.param(
+        "floor-granian",
+        marks=pytest.mark.skipif(not _has("granian"), reason="no granian in bench/.venv"),
+    ),
+]
+
+
+@pytest.fixture(params=FLOORS)
+def floor(
+    request: pytest.FixtureRequest, sim_factory: SimFactory
+) -> Iterator[tuple[str, SimProcess, SimProcess]]:
     prefill, decode = sim_factory.start_many(
         [["--role", "prefill", "--kv-role", "kv_producer"],
          ["--role", "decode", "--kv-role", "kv_consumer"]]
     )  # fmt: skip
     port = free_port()
-    argv = [sys.executable, "-m", "bench.uvrun", "bench.floor_raw", "--port", str(port)]
-    argv += ["--prefill", prefill.url, "--decode", decode.url]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    env = dict(os.environ)
+    if request.param == "floor-raw":
+        argv = [sys.executable, "-m", "bench.uvrun", "bench.floor_raw", "--port", str(port)]
+        argv += ["--prefill", prefill.url, "--decode", decode.url]
+    else:
+        argv = granian_argv(BenchVenv(), port)
+        env |= {"FLOOR_PREFILL": prefill.url, "FLOOR_DECODE": decode.url}
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
     try:
         yield f"http://127.0.0.1:{port}", prefill, decode
     finally:
@@ -54,11 +75,11 @@ async def _up(url: str) -> bool:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_floor_raw_relays_the_pd_round_trip(
-    floor_raw: tuple[str, SimProcess, SimProcess], stream: bool
+async def test_floor_relays_the_pd_round_trip(
+    floor: tuple[str, SimProcess, SimProcess], stream: bool
 ) -> None:
-    url, prefill, decode = floor_raw
-    await eventually(lambda: _up(url), timeout_s=20, what="bench.floor_raw listening")
+    url, prefill, decode = floor
+    await eventually(lambda: _up(url), timeout_s=20, what="the floor listening")
     body = {"model": "demo-model", "prompt": "w1 w2 w3", "max_tokens": 4, "stream": stream}
     connector = aiohttp.TCPConnector(limit=1)  # one connection: keep-alive is exercised
     async with aiohttp.ClientSession(connector=connector) as s:
