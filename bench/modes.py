@@ -1,4 +1,4 @@
-"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~18 min) and
+"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~22 min) and
 `soak` (the chaos soak alone: 3 minutes per router, Narwhal then each peer)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Mode:
     soak_s: float = 60.0
     soak_seed: int = 99
     soak_routers: tuple[str, ...] = ("narwhal", "vllm-router", "sglang-router")
-    # the HTTP stack A/B, router-bound (bench.suites.floor_ab; run it with --suites floor_ab)
+    # the HTTP stack A/B, router-bound (bench.suites.floor_ab; part of full mode)
     floor_ab_targets: tuple[str, ...] = (
         "direct",
         "floor",
@@ -125,7 +125,7 @@ MODES = {
         llama_prompt_words=1500,
         llama_tokens=16,
         llama_threads=2,
-        suites=("overhead", "streams", "faults", "control", "profile", "llama"),
+        suites=("overhead", "streams", "faults", "control", "profile", "llama", "floor_ab"),
     ),
 }
 

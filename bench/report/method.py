@@ -24,7 +24,7 @@ def render(doc: dict[str, Any]) -> str:
     return f"""### Running it
 
 ```sh
-make bench          # full mode: this file, raw JSON in bench-results/full.json (~18 min)
+make bench          # full mode: this file, raw JSON in bench-results/full.json (~22 min)
 make bench-quick    # quick mode: bench-results/quick.md (under a minute once set up)
 .venv/bin/python -m bench --mode full --report docs/benchmarks.md --results bench-results \\
     [--suites overhead,streams,faults,control,profile,llama] [--no-peers]
