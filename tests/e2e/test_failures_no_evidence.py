@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from typing import Any
 
 import aiohttp
@@ -18,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.fleet import force_state
+from tests.support.fs import remove_live_dir
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -223,7 +223,7 @@ async def test_requests_refused_while_not_admitting_record_nothing(
     rr = await start_router(
         fleet([p0], [d0]), recovery={"eject_after": 1}, controller={"monitor_failure_limit": 1}
     )
-    shutil.rmtree(rr.router.handoff.path.parent)
+    remove_live_dir(rr.router.handoff.path.parent)
     await eventually(lambda: not rr.router.admission.admitting, timeout_s=5, what="degraded")
     p0.clear_requests()
     d0.clear_requests()

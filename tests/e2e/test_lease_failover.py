@@ -14,7 +14,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import pytest
 import yaml
 
 from tests.support.etcd import EtcdServer, free_port
+from tests.support.fs import remove_live_dir
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.router import router_config
@@ -576,7 +576,7 @@ async def _degrade_active_until_takeover(pair: Pair) -> Takeover:
     poller = asyncio.create_task(follow_b())
     try:
         await asyncio.sleep(0.1)
-        shutil.rmtree(pair.handoff_a.parent)
+        remove_live_dir(pair.handoff_a.parent)
         degraded_at = await eventually(a_degraded, timeout_s=5, what="router-a degraded")
         taken_at = await eventually(
             taken_over, timeout_s=t.degraded_failover_bound_s + 5, what="takeover"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.control.monitor import STAGE_ORDER
+from tests.support.fs import remove_live_dir
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
@@ -135,7 +135,7 @@ async def test_removed_handoff_directory_degrades_then_one_clean_pass_recovers(
     await eventually(lambda: rr.router.fleet.in_flight.of("d0") == 1, what="stream on d0")
 
     watch = Watch(rr)
-    shutil.rmtree(state_dir)
+    remove_live_dir(state_dir)
     reason = "monitoring degraded: handoff FileNotFoundError"
 
     async def degraded() -> bool:
@@ -218,7 +218,7 @@ async def test_handoff_directory_replaced_by_a_file_reports_the_os_error_class(
     state_dir = rr.router.handoff.path.parent
 
     # What the OS raises for a write below a regular file, observed directly.
-    shutil.rmtree(state_dir)
+    remove_live_dir(state_dir)
     state_dir.write_text("not a directory")
     with pytest.raises(OSError) as observed:
         (state_dir / ".probe").write_bytes(b"x")
@@ -273,7 +273,7 @@ async def test_admin_monitor_shows_passes_stages_streak_and_admission(
 
     # Degrade: the failing stage, its outcome, the streak and the closed admission show up.
     state_dir = rr.router.handoff.path.parent
-    shutil.rmtree(state_dir)
+    remove_live_dir(state_dir)
 
     async def degraded() -> dict[str, Any] | None:
         m = await get_json(http, rr.url + "/admin/monitor")
@@ -342,7 +342,7 @@ async def test_a_failing_stage_does_not_stop_the_rest_of_the_pass(
 
     # Two failing stages: the reason names the first in pass order.
     state_dir = rr.router.handoff.path.parent
-    shutil.rmtree(state_dir)
+    remove_live_dir(state_dir)
     await wait_passes(http, rr, 2)
     assert await get_text(http, rr.url + "/ready") == (503, reason)
 
@@ -366,7 +366,7 @@ async def test_a_restarted_router_starts_with_a_fresh_streak_and_admits(
     prefill, decode = sim_factory.start_many([list(PREFILL), list(DECODE)])
     first = await start_router(engines(prefill, decode), controller={"monitor_failure_limit": 2})
     state_dir = first.router.handoff.path.parent
-    shutil.rmtree(state_dir)
+    remove_live_dir(state_dir)
 
     async def degraded() -> bool:
         status, _ = await get_text(http, first.url + "/ready")
@@ -454,7 +454,7 @@ async def test_a_standby_counts_the_degraded_ready_toward_takeover(
     assert info["active_failures"] == 0
     assert info["role"] == "standby"
 
-    shutil.rmtree(active.router.handoff.path.parent)
+    remove_live_dir(active.router.handoff.path.parent)
     seen: list[int] = []
 
     async def taken_over() -> bool:
