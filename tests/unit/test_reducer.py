@@ -54,7 +54,7 @@ BUSY = engine(
 EVERY_EVENT: list[Event] = [
     LegFailed("e", C.TIMEOUT, "slow", "decode"),
     LegSucceeded("e", SuccessKind.DECODE_DONE, "decode"),
-    HealthOk("e", "health"),
+    HealthOk("e"),
     LivenessSwept("e", silent=True),
     LivenessSwept("e", silent=False),
     VerificationSeen("e", True, "ok"),

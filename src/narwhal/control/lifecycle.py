@@ -47,10 +47,10 @@ class Lifecycle:
     def release(self, engine: EngineState, name: HoldName, reason: str, now: float) -> None:
         self._fleet.apply(HoldReleased(engine.id, name, reason), now)
 
-    def health_ok(self, engine: EngineState, now: float, source: str = "health") -> None:
+    def health_ok(self, engine: EngineState, now: float) -> None:
         """A health 200: clears its evidence, resets liveness, ends a failure quarantine
         (never an operator drain: drains survive successful health)."""
-        self._fleet.apply(HealthOk(engine.id, source), now)
+        self._fleet.apply(HealthOk(engine.id), now)
 
     def expire_holds(self, engine: EngineState, now: float) -> None:
         self._fleet.apply(HoldsExpired(engine.id), now)

@@ -60,7 +60,7 @@ class SuspectProbes:
         now = self._clock.monotonic()
         self._metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
         if result.answer is Answer.OK:
-            self._lifecycle.health_ok(engine, now, "suspect_probe")
+            self._lifecycle.health_ok(engine, now)
         elif result.answer is Answer.BUSY:  # never asked: the streak stands, nothing confirmed
             log.warning("engine %s: suspect probe not run: %s", engine_id, result.failure)
         else:

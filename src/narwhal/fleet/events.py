@@ -41,7 +41,6 @@ class HealthOk:
     (never an operator drain)."""
 
     engine_id: str
-    source: str  # health | suspect_probe
 
 
 @dataclass(frozen=True, slots=True)

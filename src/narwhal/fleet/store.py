@@ -3,7 +3,7 @@
 `apply(event, now)` runs the reducer, swaps the new immutable state in, keeps the durable
 counters, logs `from -> to (reason)` and tells the observers (metrics); it returns the effects
 for the edge to run. Every read (`candidates(role, now)` and the rest) is pure: a getter never
-mutates. `version` moves on every change, so a published snapshot can say how fresh it is.
+mutates.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ class Fleet:
         self.in_flight = in_flight or InFlight(self._engines)
         self._observers: list[Observer] = []
         self.counters = Counters()
-        self.version = 0
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(self._engines.values())
@@ -69,7 +68,6 @@ class Fleet:
         if after is before:
             return step.effects
         self._engines[before.id] = after
-        self.version += 1
         if before.ejected is None and after.ejected is not None:
             self.counters.ejections[before.id] += 1
         if isinstance(event, Readmitted):
