@@ -159,6 +159,9 @@ class ServingConfig(_Section):
     max_attempts: PositiveInt = 2
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     token_count_cache_size: int = Field(default=4096, ge=0)
+    # Data-plane worker processes (DESIGN §9): an integer, or `auto` for the usable CPUs.
+    workers: PositiveInt | Literal["auto"] = 1
+    shutdown_grace_s: PositiveFloat = 30.0
 
     @model_validator(mode="after")
     def _timings(self) -> Self:
@@ -370,6 +373,15 @@ class Config(_Section):
             raise ValueError(
                 f"lease.path: the lease file must differ from handoff.path ({self.lease.path!r})"
             )
+        workers = self.serving.workers
+        if workers != "auto" and workers > 1:
+            if self.engines[0].api == "llamacpp":
+                raise ValueError(
+                    "serving.workers: must be 1 or auto with llamacpp engines (their slots "
+                    "are assigned by one process)"
+                )
+            if workers > self.serving.max_connections:
+                raise ValueError("serving.workers: exceeds serving.max_connections")
         roles = {e.role for e in self.engines}
         if Role.BOTH not in roles and roles != {Role.PREFILL, Role.DECODE}:
             missing = ({Role.PREFILL, Role.DECODE} - roles).pop()
@@ -387,6 +399,17 @@ class Config(_Section):
     @property
     def effective_router_id(self) -> str:
         return self.router_id or self.listen
+
+    def resolved_workers(self, usable_cpus: int | None = None) -> int:
+        """How many data-plane processes to run: `auto` is the usable CPUs (capped by
+        max_connections), and 1 for llamacpp engines, whose slots one process assigns."""
+        workers = self.serving.workers
+        if workers != "auto":
+            return workers
+        if self.engines[0].api == "llamacpp":
+            return 1
+        cpus = usable_cpus if usable_cpus is not None else len(os.sched_getaffinity(0))
+        return max(1, min(cpus, self.serving.max_connections))
 
 
 _SUBKEY = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)*): (.*)$", re.S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from narwhal.dataplane.errors import openai_error
+from narwhal.dataplane.models import models_list
 from narwhal.state.handoff import newest
 
 if TYPE_CHECKING:
@@ -30,19 +32,7 @@ def add_routes(app: web.Application, router: Router) -> None:
         return await dataplane.handle("chat", request)
 
     async def models(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": router.config.model,
-                        "object": "model",
-                        "owned_by": "narwhal",
-                        "created": 0,
-                    }
-                ],
-            }
-        )
+        return web.json_response(models_list(router.config.model))
 
     async def health(request: web.Request) -> web.StreamResponse:
         return web.Response(text="ok")
@@ -175,6 +165,22 @@ def add_routes(app: web.Application, router: Router) -> None:
         return web.json_response(router.ownership.to_json())
 
     app.router.add_get("/admin/lease", admin_lease)
+
+    async def admin_workers(request: web.Request) -> web.StreamResponse:
+        """The data-plane processes: this one alone without workers (DESIGN §9)."""
+        sup = router.supervisor
+        if sup is None:
+            return web.json_response(
+                {"workers": [{"index": 0, "pid": os.getpid(), "running": True}], "control": None}
+            )
+        return web.json_response(
+            {
+                "workers": sup.to_json(),
+                "control": {"pid": os.getpid(), "snapshot_version": sup.version},
+            }
+        )
+
+    app.router.add_get("/admin/workers", admin_workers)
 
     page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
 

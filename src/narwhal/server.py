@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from narwhal.clock import Clock, SystemClock
 from narwhal.config import Config
@@ -40,6 +45,8 @@ from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import ready_reason
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
+from narwhal.process.supervisor import Supervisor, sweep_stale_runtime_dirs
+from narwhal.process.table import SharedInFlight, WorkerTable
 from narwhal.state.atomic import Filesystem, remove_stale_temps
 from narwhal.state.etcd_compaction import Compactor
 from narwhal.state.etcd_status import EtcdStatusWatch, status_interval_s
@@ -85,7 +92,19 @@ class Router:
         self.clock = clock or SystemClock()
         self._wall_offset_s = self.clock.wall() - self.clock.monotonic()
         self.metrics = Metrics()
-        self.fleet = Fleet(config.engines, self.clock, Policy.of(config.recovery))
+        # With data-plane workers (DESIGN §9) in-flight counts live in a table they share;
+        # this process only reads it. The workers start in `run`.
+        workers = config.resolved_workers()
+        self.table = (
+            WorkerTable.create(workers, [e.id for e in config.engines]) if workers > 1 else None
+        )
+        self.supervisor: Supervisor | None = None
+        self.fleet = Fleet(
+            config.engines,
+            self.clock,
+            Policy.of(config.recovery),
+            in_flight=SharedInFlight(self.table, None) if self.table is not None else None,
+        )
         watch_fleet(self.fleet, self.metrics, self.clock)
         self.admission = Admission()
         self.client = EngineClient(
@@ -106,7 +125,7 @@ class Router:
             self.fleet,
             self.client,
             self.evidence,
-            self.metrics,
+            self.metrics.data,
             self.clock,
             self.admission,
             new_request_id or _request_ids(),
@@ -114,6 +133,13 @@ class Router:
             stats=self.stats,
             timeline=self.timeline,
         )
+        m = self.metrics
+        m.pool_limit.labels("data").set(config.serving.max_connections)
+        m.pool_limit.labels("control").set(config.engine.control_connections)
+        # Live gauges, read when /metrics is scraped, instead of a set() per request and leg.
+        m.pool_in_use.labels("data").set_function(lambda: self.data_pool_usage()[0])
+        m.pool_in_use.labels("control").set_function(lambda: self.client.control_in_use)
+        m.queue_depth.set_function(lambda: self.data_pool_usage()[1])
         self.health = HealthStages(
             config,
             self.fleet,
@@ -268,6 +294,12 @@ class Router:
         self.readmission.schedule(now, self.engine_tasks)
 
     # ------------------------------------------------------------------ state views
+    def data_pool_usage(self) -> tuple[int, int]:
+        """Data connections in use and requests waiting for one, over every data plane."""
+        if self.supervisor is not None:
+            return self.supervisor.pool_usage()
+        return self.dataplane.pool.in_use, self.dataplane.pool.waiting
+
     def _lease_json(self) -> dict[str, Any] | None:
         return self.ownership.keeper.handoff_lease() if self.ownership else None
 
@@ -367,14 +399,21 @@ class Router:
             await self.ownership.start(self.standby)
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
+        runtime: Path | None = None
         try:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
-            await site.start()
-            bound = runner.addresses[0][1] if runner.addresses else port
+            if self.table is None:
+                site = web.TCPSite(runner, host, port, reuse_address=True)
+                await site.start()
+                bound = runner.addresses[0][1] if runner.addresses else port
+            else:
+                runtime = await asyncio.to_thread(_runtime_dir)
+                bound = await self._start_workers(runner, runtime, host, port)
             log.info("narwhal listening on http://%s:%s", host, bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
                 tg.create_task(watch_loop_lag(self.metrics.loop_lag))
+                if self.supervisor is not None:
+                    tg.create_task(self.supervisor.run())
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:
@@ -394,11 +433,57 @@ class Router:
                 )
         finally:
             self._tasks = None
+            if self.supervisor is not None:
+                await self.supervisor.stop(self.config.serving.shutdown_grace_s)
             if self.ownership is not None:
                 await self.ownership.keeper.release()
                 await self.ownership.keeper.store.close()
             await runner.cleanup()
             await self.client.close()
+            if runtime is not None:
+                await asyncio.to_thread(shutil.rmtree, runtime, True)
+
+    async def _start_workers(
+        self, runner: web.AppRunner, runtime: Path, host: str, port: int
+    ) -> int:
+        """Reserve the port, serve the admin surface on a Unix socket for the workers to
+        forward to, start the workers, and render their metrics with ours."""
+        assert self.table is not None
+        sup = self.supervisor = Supervisor(
+            self.config,
+            self.table.rows,
+            self.table,
+            self.fleet,
+            self.admission,
+            lambda: self.ownership.keeper.admission_window() if self.ownership else None,
+            self.evidence,
+            self.stats,
+            self.timeline,
+            self.metrics,
+            self.clock,
+            runtime,
+        )
+        bound = sup.reserve(host, port)
+        await web.UnixSite(runner, sup.control_socket).start()
+        sup.metrics_dir.mkdir()
+        shared = CollectorRegistry()
+        MultiProcessCollector(shared, path=str(sup.metrics_dir))  # type: ignore[no-untyped-call]
+        self.metrics.render_data = lambda: generate_latest(shared)
+        self.metrics.add_worker_metrics()
+        running = self.metrics.workers_running
+        running.labels("running").set_function(lambda: sum(w.running for w in sup.workers))
+        running.labels("restarting").set_function(lambda: sum(not w.running for w in sup.workers))
+        await sup.start()
+        return bound
+
+
+def _runtime_dir() -> Path:
+    """A private directory for this run's control socket and the workers' metric files;
+    ones left by a killed control process are removed first."""
+    base = Path(tempfile.gettempdir())
+    for stale in sweep_stale_runtime_dirs(base):
+        log.info("removed stale runtime directory %s", stale)
+    return Path(tempfile.mkdtemp(prefix=f"narwhal-{os.getpid()}-"))
 
 
 def _request_ids() -> Callable[[], str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,21 @@ def router_config(engines: list[dict[str, Any]], tmp_path: Path, **sections: Any
 
 StartRouter = Callable[..., Awaitable[RunningRouter]]
 
+# Data-plane injections that only a single-process router honours (its data plane runs in
+# this process): a router built with them keeps `serving.workers` 1.
+_IN_PROCESS_ONLY = frozenset({"clock", "new_request_id"})
+
+
+def _with_test_workers(sections: dict[str, Any], router_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`NARWHAL_TEST_WORKERS=N` runs every router with N data-plane worker processes
+    (`make pytest-workers`), unless the test chose `serving.workers` or injects into the
+    data plane."""
+    workers = os.environ.get("NARWHAL_TEST_WORKERS")
+    serving = sections.get("serving", {})
+    if not workers or "workers" in serving or _IN_PROCESS_ONLY & router_kwargs.keys():
+        return sections
+    return {**sections, "serving": {**serving, "workers": int(workers)}}
+
 
 @pytest.fixture
 async def start_router(tmp_path: Path) -> AsyncIterator[StartRouter]:
@@ -64,6 +80,7 @@ async def start_router(tmp_path: Path) -> AsyncIterator[StartRouter]:
     async def start(
         engines: list[dict[str, Any]], router_kwargs: dict[str, Any] | None = None, **sections: Any
     ) -> RunningRouter:
+        sections = _with_test_workers(sections, router_kwargs or {})
         config = parse_config(router_config(engines, tmp_path, **sections))
         Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
         router = Router(config, **(router_kwargs or {}))

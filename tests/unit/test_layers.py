@@ -21,6 +21,18 @@ ALLOWED: dict[str, set[str]] = {
     "state": {"clock", "config", "fleet", "telemetry"},
     "telemetry": {"clock", "config", "engine", "fleet"},
     "control": {"clock", "config", "dataplane", "engine", "fleet", "state", "telemetry"},
+    # The worker processes and the control process's side of them: wiring, like `server`.
+    "process": {
+        "clock",
+        "config",
+        "control",
+        "dataplane",
+        "engine",
+        "fleet",
+        "http_errors",
+        "state",
+        "telemetry",
+    },
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 
 class PoolExhausted(Exception):
@@ -15,11 +16,15 @@ class PoolExhausted(Exception):
 
 
 class Pool:
-    def __init__(self, name: str, limit: int) -> None:
+    def __init__(
+        self, name: str, limit: int, on_change: Callable[[Pool], None] | None = None
+    ) -> None:
         self.name = name
         self.limit = limit
         self.in_use = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        # Told after `in_use` or `waiting` moved: a worker mirrors them for the control process.
+        self._on_change = on_change
 
     @property
     def waiting(self) -> int:
@@ -28,6 +33,8 @@ class Pool:
     def try_acquire(self) -> bool:
         if self.in_use < self.limit and not self._waiters:
             self.in_use += 1
+            if self._on_change is not None:
+                self._on_change(self)
             return True
         return False
 
@@ -39,6 +46,8 @@ class Pool:
             raise PoolExhausted(f"{self.name} pool exhausted")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        if self._on_change is not None:
+            self._on_change(self)
         try:
             async with asyncio.timeout(timeout_s):
                 await fut
@@ -49,6 +58,8 @@ class Pool:
                 fut.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
+            if self._on_change is not None:
+                self._on_change(self)
             if isinstance(exc, TimeoutError):
                 raise PoolExhausted(f"{self.name} pool exhausted") from None
             raise
@@ -58,5 +69,9 @@ class Pool:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)  # hand the slot over: in_use stays the same
+                if self._on_change is not None:
+                    self._on_change(self)
                 return
         self.in_use -= 1
+        if self._on_change is not None:
+            self._on_change(self)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -45,13 +45,12 @@ from narwhal.engine.failures import (
 )
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
-from narwhal.fleet.admission import Admission
 from narwhal.fleet.evidence_sink import EvidenceSink
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import starting_reason
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
-from narwhal.telemetry.metrics import Children, Metrics
+from narwhal.telemetry.metrics import Children, DataMetrics
 from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.proxy")
@@ -63,6 +62,13 @@ _EOF_AFTER_DONE_S = 0.1
 # Request key: the outcome of a stream whose `[DONE]` has reached the client. Whatever happens
 # to the client afterwards (it may close at once, cancelling the handler) does not change it.
 _SETTLED_OUTCOME = web.RequestKey("narwhal_settled_outcome", str)
+
+
+class Gate(Protocol):
+    """Whether new requests are admitted: `Admission` in one process, a worker's snapshot of
+    it (with its own expiry) in each worker."""
+
+    def closed_reason(self) -> str | None: ...
 
 
 class NoCapacity(Exception):
@@ -101,13 +107,14 @@ class DataPlane:
         fleet: Fleet,
         client: EngineClient,
         evidence: EvidenceSink,
-        metrics: Metrics,
+        metrics: DataMetrics,
         clock: Clock,
-        admission: Admission,
+        admission: Gate,
         new_request_id: Callable[[], str],
         adapters: Adapters,
         stats: IntervalStats | None = None,
         timeline: Timeline | None = None,
+        pool: Pool | None = None,
     ) -> None:
         self._cfg = config
         self._serving = config.serving
@@ -122,16 +129,10 @@ class DataPlane:
         self._adapters = adapters
         self._stats = stats or IntervalStats(config.controller.interval_s, clock.monotonic())
         self._timeline = timeline or Timeline()
-        self.pool = Pool("data", config.serving.max_connections)
+        self.pool = pool or Pool("data", config.serving.max_connections)
         self._tokens = TokenBudget(config.serving.token_count_cache_size)
         self._rotation: dict[Role, int] = {}
         self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
-        metrics.pool_limit.labels("data").set(config.serving.max_connections)
-        metrics.pool_limit.labels("control").set(config.engine.control_connections)
-        # Live gauges, read when /metrics is scraped, instead of a set() per request and leg.
-        metrics.pool_in_use.labels("data").set_function(lambda: self.pool.in_use)
-        metrics.pool_in_use.labels("control").set_function(lambda: client.control_in_use)
-        metrics.queue_depth.set_function(lambda: self.pool.waiting)
         self._requests = Children(metrics.requests)
         self._latency = Children(metrics.total_latency)
         self._token_checks = Children(metrics.token_checks)

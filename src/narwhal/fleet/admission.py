@@ -13,16 +13,28 @@ class Admission:
     def __init__(self) -> None:
         self._closed: dict[str, str] = {}
         self._checks: dict[str, Callable[[], str | None]] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Told whenever an owner closes or opens it (a check's reason is not a change)."""
+        self._listeners.append(listener)
 
     def add_check(self, owner: str, check: Callable[[], str | None]) -> None:
         """A reason computed at every admission (e.g. the lease's local expiry)."""
         self._checks[owner] = check
 
     def close(self, owner: str, reason: str) -> None:
-        self._closed[owner] = reason
+        if self._closed.get(owner) != reason:
+            self._closed[owner] = reason
+            self._changed()
 
     def open(self, owner: str) -> None:
-        self._closed.pop(owner, None)
+        if self._closed.pop(owner, None) is not None:
+            self._changed()
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def reason(self, owner: str) -> str | None:
         check = self._checks.get(owner)

@@ -26,6 +26,15 @@ class Histogram:
         self.counts[bisect.bisect_left(_BOUNDS_S, seconds)] += 1
         self.total += 1
 
+    def sparse(self) -> list[list[int]]:
+        """The non-zero buckets as `[index, count]` pairs (what a worker ships)."""
+        return [[i, n] for i, n in enumerate(self.counts) if n]
+
+    def merge(self, sparse: list[list[int]]) -> None:
+        for i, n in sparse:
+            self.counts[i] += n
+            self.total += n
+
     def quantile(self, q: float) -> float | None:
         """The bucket upper bound below which a fraction `q` of samples fall."""
         if self.total == 0:
@@ -96,6 +105,24 @@ class IntervalStats:
 
     def inter_token(self, engine_id: str, seconds: float) -> None:
         self.current.engine(engine_id).inter_token.observe(seconds)
+
+    def take(self, now: float) -> Window:
+        """The open window's counts so far, starting a fresh one: a worker ships these to
+        the control process, which `merge`s them into its own windows."""
+        taken, self.current = self.current, Window(started=now)
+        return taken
+
+    def merge(
+        self,
+        engine_id: str,
+        requests: int,
+        latency: list[list[int]],
+        inter_token: list[list[int]],
+    ) -> None:
+        w = self.current.engine(engine_id)
+        w.requests += requests
+        w.latency.merge(latency)
+        w.inter_token.merge(inter_token)
 
     def rollover(self, now: float) -> Window | None:
         self.current, closed = roll(self.current, now, self._interval_s)

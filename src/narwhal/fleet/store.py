@@ -16,7 +16,7 @@ from narwhal.config import EngineConfig, Role
 from narwhal.fleet.counters import Counters
 from narwhal.fleet.events import Event, LegFailed, Readmitted, SuspectProbe
 from narwhal.fleet.holds import SOFT_HOLDS, HoldName
-from narwhal.fleet.inflight import InFlight
+from narwhal.fleet.inflight import InFlight, InFlightCounts
 from narwhal.fleet.reducer import Context, Policy, Step, reduce
 from narwhal.fleet.state import Candidate, EngineState
 
@@ -34,12 +34,12 @@ class Fleet:
         engines: Iterable[EngineConfig],
         clock: Clock,
         policy: Policy | None = None,
-        in_flight: InFlight | None = None,
+        in_flight: InFlightCounts | None = None,
     ) -> None:
         self._engines = {e.id: EngineState(config=e, role=e.role) for e in engines}
         self._clock = clock
         self.policy = policy or Policy()
-        self.in_flight = in_flight or InFlight(self._engines)
+        self.in_flight: InFlightCounts = in_flight or InFlight(self._engines)
         self._observers: list[Observer] = []
         self.counters = Counters()
 

@@ -90,6 +90,27 @@ class Role(StrEnum):
     FENCED = "fenced"
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionWindow:
+    """When the lease lets this router admit (monotonic seconds): never while `static` is
+    set, else from `admit_after` until `fence_at` (the renew deadline)."""
+
+    static: str | None
+    fence_at: float | None
+    admit_after: float
+
+
+def lease_reason_at(window: AdmissionWindow, now: float) -> str | None:
+    """The lease's admission reason at `now` (None: admit). Pure."""
+    if window.static is not None:
+        return window.static
+    if window.fence_at is not None and now >= window.fence_at:
+        return FENCED_LINE  # the role follows at the next renewal attempt
+    if now < window.admit_after:
+        return "standby: waiting out the previous lease"
+    return None
+
+
 class LeaseKeeper:
     """This router's view of the lease, and every decision about it (time is injected)."""
 
@@ -114,17 +135,19 @@ class LeaseKeeper:
         """None when this router may admit now; else the `/ready` line. Every fenced case
         reads exactly `fenced: lease lost` (DESIGN's line); why is in `fence_reason`, the
         log and the operator refusals."""
+        return lease_reason_at(self.admission_window(), now)
+
+    def admission_window(self) -> AdmissionWindow:
+        """The data `admission_reason` judges by, which a data-plane worker judges by too:
+        the worker fences itself at the local expiry even if this process stops."""
         if self.role is Role.FENCED:
-            return FENCED_LINE
+            return AdmissionWindow(FENCED_LINE, None, 0.0)
         if self.role is Role.STANDBY:
             holder = self.last_seen.holder if self.last_seen else None
-            return f"standby: lease held by {holder or 'nobody'}"
+            return AdmissionWindow(f"standby: lease held by {holder or 'nobody'}", None, 0.0)
         assert self._renew_started is not None
-        if now - self._renew_started >= self._cfg.effective_renew_deadline_s:
-            return FENCED_LINE  # the role follows at the next renewal attempt
-        if now < self._admit_after:
-            return "standby: waiting out the previous lease"
-        return None
+        fence_at = self._renew_started + self._cfg.effective_renew_deadline_s
+        return AdmissionWindow(None, fence_at, self._admit_after)
 
     def time_left_s(self, now: float) -> float | None:
         """The holder: its local lease on the monotonic clock. A standby: the record's

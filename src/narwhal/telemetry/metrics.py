@@ -5,6 +5,7 @@ Names and labels are a contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -49,7 +50,11 @@ class Children(Generic[M]):
         return child
 
 
-class Metrics:
+class DataMetrics:
+    """What the data plane counts, in its own registry: with workers (DESIGN §9) each worker
+    process counts these in prometheus_client's multiprocess files, and the control process
+    renders their sum; the rest of `Metrics` lives in the control process only."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -83,14 +88,46 @@ class Metrics:
             ["engine", "leg", "outcome"],
             registry=r,
         )
+        self.retries = Counter(
+            "narwhal_retries", "Bounded-policy retries by reason", ["reason"], registry=r
+        )
+        self.token_checks = Counter(
+            "narwhal_token_checks",
+            "Prompt-length checks by how they were decided",
+            ["result"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "narwhal_event_loop_lag_seconds",
+            "How late the router's event loop ran a due wake-up (a stall delays everything)",
+            registry=r,
+            buckets=LAG_BUCKETS_S,
+        )
+
+
+class Metrics:
+    """The control process's metrics, plus the data plane's (`data`): `render` is the whole
+    `/metrics` page. `render_data` replaces how the data plane's part is rendered (the
+    workers' multiprocess files)."""
+
+    def __init__(self, data: DataMetrics | None = None) -> None:
+        self.data = data or DataMetrics()
+        d = self.data
+        self.requests = d.requests
+        self.ttft = d.ttft
+        self.inter_token = d.inter_token
+        self.total_latency = d.total_latency
+        self.leg_outcomes = d.leg_outcomes
+        self.retries = d.retries
+        self.token_checks = d.token_checks
+        self.loop_lag = d.loop_lag
+        self.render_data: Callable[[], bytes] = lambda: generate_latest(self.data.registry)
+        r = self.registry = CollectorRegistry(auto_describe=True)
         self.failures = Counter(
             "narwhal_engine_failures",
             "Engine failures by engine and class",
             ["engine", "failure_class"],
             registry=r,
-        )
-        self.retries = Counter(
-            "narwhal_retries", "Bounded-policy retries by reason", ["reason"], registry=r
         )
         self.pool_in_use = Gauge(
             "narwhal_pool_connections_in_use",
@@ -106,12 +143,6 @@ class Metrics:
         )
         self.in_flight = Gauge(
             "narwhal_engine_in_flight", "Requests in flight per engine", ["engine"], registry=r
-        )
-        self.token_checks = Counter(
-            "narwhal_token_checks",
-            "Prompt-length checks by how they were decided",
-            ["result"],
-            registry=r,
         )
         self.transitions = Counter(
             "narwhal_engine_transitions",
@@ -210,12 +241,6 @@ class Metrics:
             registry=r,
             buckets=_LATENCY_BUCKETS_S,
         )
-        self.loop_lag = Histogram(
-            "narwhal_event_loop_lag_seconds",
-            "How late the router's event loop ran a due wake-up (a stall delays everything)",
-            registry=r,
-            buckets=LAG_BUCKETS_S,
-        )
 
         self.lease_role = Gauge(
             "narwhal_lease_role", "1 for this router's lease role", ["role"], registry=r
@@ -305,5 +330,30 @@ class Metrics:
             registry=r,
         )
 
+    def add_worker_metrics(self) -> None:
+        """The control process's view of its data-plane workers (only when it runs some)."""
+        r = self.registry
+        self.workers_running = Gauge(
+            "narwhal_workers", "Data-plane worker processes by state", ["state"], registry=r
+        )
+        self.worker_restarts = Counter(
+            "narwhal_worker_restarts", "Data-plane workers restarted after an exit", registry=r
+        )
+        self.worker_exits = Counter(
+            "narwhal_worker_exits",
+            "Unplanned data-plane worker exits by reason (exit N, or the signal's name)",
+            ["reason"],
+            registry=r,
+        )
+        self.worker_lost_requests = Counter(
+            "narwhal_worker_lost_requests",
+            "Client requests in progress on a data-plane worker when it exited (failed; "
+            "nothing charged to an engine)",
+            ["endpoint"],
+            registry=r,
+        )
+        for endpoint in ("completions", "chat"):
+            self.worker_lost_requests.labels(endpoint)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self.render_data()

@@ -42,6 +42,19 @@ class Timeline:
             self._errors += 1
         self._latency.observe(latency_s)
 
+    def take(self) -> tuple[int, int, list[list[int]]]:
+        """Requests, errors and sparse latency buckets since the last take (a worker's
+        share, shipped to the control process), starting afresh."""
+        taken = (self._requests, self._errors, self._latency.sparse())
+        self._requests = self._errors = 0
+        self._latency = Histogram()
+        return taken
+
+    def merge(self, requests: int, errors: int, latency: list[list[int]]) -> None:
+        self._requests += requests
+        self._errors += errors
+        self._latency.merge(latency)
+
     def sample(self, wall: float) -> None:
         self.samples.append(
             Sample(

@@ -1,0 +1,63 @@
+"""A worker's evidence sink: leg outcomes go to the control process as events.
+
+The control process's reducer applies them and pushes the changed engines back to every
+worker. A success is sent only when this worker's replica shows evidence to clear (the hot
+path sends nothing). After a failure, `settled()` waits (briefly) until the control process
+acknowledged it: by then the snapshot that pauses the engine is already in every worker's
+socket, so a client's next request, through any worker, sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from narwhal.engine.failures import EngineFailure, SuccessKind
+from narwhal.fleet.store import Fleet
+from narwhal.process.channel import Channel
+
+SETTLE_TIMEOUT_S = 0.05
+
+
+class Reporter:
+    def __init__(self, channel: Channel, fleet: Fleet) -> None:
+        self._channel = channel
+        self._fleet = fleet
+        self._seq = 0
+        self._acked = 0
+        self._last_failure = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    def failure(self, engine_id: str, failure: EngineFailure, leg: str) -> None:
+        self._seq += 1
+        self._last_failure = self._seq
+        item = ["f", engine_id, failure.failure_class.value, leg, failure.detail]
+        self._channel.send("ev", seq=self._seq, item=item)
+
+    def success(self, engine_id: str, kind: SuccessKind, leg: str) -> None:
+        if not self._fleet.get(engine_id).evidence:
+            return
+        self._seq += 1
+        self._channel.send("ev", seq=self._seq, item=["s", engine_id, kind.value, leg])
+
+    def acked(self, upto: int) -> None:
+        self._acked = max(self._acked, upto)
+        still = []
+        for seq, fut in self._waiters:
+            if seq <= self._acked:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((seq, fut))
+        self._waiters = still
+
+    async def settled(self) -> None:
+        """Return once every failure reported so far was applied (at most 50 ms)."""
+        target = self._last_failure
+        if target <= self._acked or self._channel.closed:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, fut))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SETTLE_TIMEOUT_S):
+                await fut

@@ -1,0 +1,444 @@
+"""The control process's side of its data-plane workers (DESIGN §9).
+
+It reserves the port, starts N worker processes (`worker.py`) that each listen on it with
+`SO_REUSEPORT`, and talks to each over its own socket pair:
+- out: the fleet snapshot (the engines that changed, at most once per loop turn), the
+  admission gate, and a heartbeat that keeps the gate valid;
+- in: leg outcomes, applied through the `EvidenceRecorder` (so the reducer decides, and a
+  failure in one worker pauses the engine for all), and stats deltas.
+
+A worker that exits is restarted after a backoff; the requests it was serving are counted
+as lost, and nothing is charged to an engine. Stopping drains: every worker stops accepting
+and finishes its requests within the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from narwhal.clock import Clock
+from narwhal.config import Config
+from narwhal.control.evidence import EvidenceRecorder
+from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.codec import encode
+from narwhal.fleet.intervals import IntervalStats
+from narwhal.fleet.state import EngineState
+from narwhal.fleet.store import Fleet
+from narwhal.process.channel import Channel, Frame
+from narwhal.process.gate import GateData
+from narwhal.process.table import CHAT, COMPLETIONS, POOL_IN_USE, POOL_WAITING, WorkerTable
+from narwhal.state.lease import AdmissionWindow
+from narwhal.telemetry.metrics import Metrics
+from narwhal.telemetry.timeline import Timeline
+
+log = logging.getLogger("narwhal.workers")
+
+READY_TIMEOUT_S = 30.0
+_JSON_FORMATTER = "JsonFormatter"
+
+
+def control_window_s(config: Config) -> float:
+    """How long a worker trusts the control process's last word: one monitor interval, at
+    least 0.5 s (a scheduler or GC pause of a loaded host is not a lost control process)."""
+    return max(config.controller.monitor_interval_s, 0.5)
+
+
+def restart_delay_s(recent_exits: int) -> float:
+    """Backoff before restarting a worker that exited `recent_exits` times in a row: 0,
+    then 0.5 s, doubling up to 10 s."""
+    if recent_exits <= 1:
+        return 0.0
+    return float(min(10.0, 0.5 * 2.0 ** (recent_exits - 2)))
+
+
+def shares(total: int, n: int) -> list[int]:
+    """`total` split over `n` workers, the remainder to the first ones."""
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    index: int
+    pid: int | None = None
+    started_at: float | None = None
+    restarts: int = 0
+    recent_exits: int = 0
+    last_exit: str | None = None
+    seen_version: int = 0
+    channel: Channel | None = None
+    ready: asyncio.Future[int] | None = None
+    generation: int = 0
+    running: bool = False
+    bye: bool = False
+    acks: list[int] = field(default_factory=list)
+
+    def to_json(self, table: WorkerTable) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "pid": self.pid,
+            "running": self.running,
+            "started_at": self.started_at,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "snapshot_version": self.seen_version,
+            "requests_in_progress": table.get(self.index, COMPLETIONS)
+            + table.get(self.index, CHAT),
+        }
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        count: int,
+        table: WorkerTable,
+        fleet: Fleet,
+        admission: Admission,
+        lease_window: Callable[[], AdmissionWindow | None],
+        evidence: EvidenceRecorder,
+        stats: IntervalStats,
+        timeline: Timeline,
+        metrics: Metrics,
+        clock: Clock,
+        runtime_dir: Path,
+    ) -> None:
+        self._config = config
+        self.count = count
+        self.table = table
+        self._fleet = fleet
+        self._admission = admission
+        self._lease_window = lease_window
+        self._evidence = evidence
+        self._stats = stats
+        self._timeline = timeline
+        self._metrics = metrics
+        self._clock = clock
+        self.runtime_dir = runtime_dir
+        self.control_socket = str(runtime_dir / "control.sock")
+        self.metrics_dir = runtime_dir / "metrics"
+        self.workers = [WorkerInfo(i) for i in range(count)]
+        self._shares = shares(config.serving.max_connections, count)
+        self.version = 0
+        self._dirty: set[str] = set()
+        self._scheduled = False
+        self._stopping = False
+        self._window_s = control_window_s(config)
+        self._reservation: socket.socket | None = None
+        self._host = ""
+        self.port = 0
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        fleet.observe(self._on_fleet_change)
+        admission.on_change(self._schedule)
+
+    # ---------------------------------------------------------------- start and run
+    def reserve(self, host: str, port: int) -> int:
+        """Bind the port without listening: it resolves port 0, fails fast when another
+        process holds the port, and keeps it while workers restart. A bound socket that is
+        not listening never receives connections."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        self._reservation = sock
+        self._host = host
+        self.port = sock.getsockname()[1]
+        if port != 0 and _someone_listens(host, self.port):
+            sock.close()
+            raise OSError(f"listen {host}:{port}: another SO_REUSEPORT listener serves this port")
+        return self.port
+
+    async def start(self) -> None:
+        """Start every worker; return once all listen (a worker that fails to start fails
+        the router's start)."""
+        self.metrics_dir.mkdir(exist_ok=True)
+        await asyncio.gather(*(self._spawn(w) for w in self.workers))
+
+    async def run(self) -> None:
+        """Heartbeats and restarts, until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            for w in self.workers:
+                tg.create_task(self._watch(w))
+            while True:
+                await asyncio.sleep(self._window_s / 4)
+                self._send_gate()
+
+    async def stop(self, grace_s: float) -> None:
+        """Drain: each worker stops accepting and finishes its requests within `grace_s`;
+        a worker still running after that (plus 2 s) is killed."""
+        self._stopping = True
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.send("drain", grace_s=grace_s)
+                w.channel.flush()
+        procs = list(self._procs.values())
+        if procs:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(p.wait()) for p in procs], timeout=grace_s + 2.0
+            )
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            for task in pending:
+                with contextlib.suppress(ProcessLookupError):
+                    await task
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.close()
+        if self._reservation is not None:
+            self._reservation.close()
+
+    async def _spawn(self, w: WorkerInfo) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        w.generation += 1
+        w.bye = False
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "narwhal.process.worker",
+                "--channel-fd",
+                str(child.fileno()),
+                "--index",
+                str(w.index),
+                pass_fds=(child.fileno(), self.table.fd),
+                env=env,
+            )
+        finally:
+            child.close()
+        self._procs[w.index] = proc
+        w.pid = proc.pid
+        w.started_at = self._clock.wall()
+        w.ready = asyncio.get_running_loop().create_future()
+        w.channel = await Channel.open(
+            parent, lambda f: self._on_frame(w, f), lambda: self._on_lost(w)
+        )
+        w.channel.send("hello", **self._hello(w))
+        self._send_snapshot(w.channel, list(self._fleet))
+        w.channel.flush()
+        waiter = asyncio.ensure_future(proc.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {w.ready, waiter}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        if w.ready not in done:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise OSError(f"data-plane worker {w.index} failed to start")
+        w.running = True
+        log.info("worker %d started (pid %d)", w.index, proc.pid)
+
+    def _hello(self, w: WorkerInfo) -> dict[str, Any]:
+        root = logging.getLogger()
+        json_logs = any(type(h.formatter).__name__ == _JSON_FORMATTER for h in root.handlers)
+        return {
+            "config": self._config.model_dump(mode="json"),
+            "table_fd": self.table.fd,
+            "rows": self.count,
+            "max_connections": self._shares[w.index],
+            "control_socket": self.control_socket,
+            "control_pid": os.getpid(),
+            "grace_s": self._config.serving.shutdown_grace_s,
+            "log": [logging.getLevelName(root.level).lower(), "json" if json_logs else "text"],
+            "metrics_id": f"w{w.index}-{os.getpid()}-{w.generation}",
+            "request_prefix": f"narwhal-{uuid.uuid4().hex[:16]}",
+            "host": self._host,
+            "port": self.port,
+        }
+
+    async def _watch(self, w: WorkerInfo) -> None:
+        """Restart `w` whenever it exits, until the router stops."""
+        while True:
+            proc = self._procs[w.index]
+            status = await proc.wait()
+            w.running = False
+            reason = _exit_reason(status)
+            w.last_exit = reason
+            if self._stopping:
+                return
+            lost = {
+                "completions": self.table.get(w.index, COMPLETIONS),
+                "chat": self.table.get(w.index, CHAT),
+            }
+            for endpoint, n in lost.items():
+                if n > 0:
+                    self._metrics.worker_lost_requests.labels(endpoint).inc(n)
+            self.table.zero(w.index)
+            self._metrics.worker_exits.labels(reason).inc()
+            log.warning(
+                "worker %d (pid %s) exited (%s) with %d requests in progress; restarting",
+                w.index,
+                w.pid,
+                reason,
+                sum(lost.values()),
+            )
+            w.recent_exits = w.recent_exits + 1 if _ran_briefly(w, self._clock) else 1
+            await asyncio.sleep(restart_delay_s(w.recent_exits))
+            try:
+                await self._spawn(w)
+            except OSError as exc:
+                log.error("worker %d: restart failed: %s", w.index, exc)
+                continue
+            w.restarts += 1
+            self._metrics.worker_restarts.inc()
+
+    # ---------------------------------------------------------------- frames in
+    def _on_frame(self, w: WorkerInfo, frame: Frame) -> None:
+        try:
+            kind = frame["t"]
+            if kind == "ev":
+                self._apply_event(w, frame)
+            elif kind == "stats":
+                for engine_id, (requests, latency, inter_token) in frame["engines"].items():
+                    self._stats.merge(engine_id, requests, latency, inter_token)
+                self._timeline.merge(*frame["timeline"])
+            elif kind == "seen":
+                w.seen_version = frame["version"]
+            elif kind == "ready":
+                if w.ready is not None and not w.ready.done():
+                    w.ready.set_result(frame["pid"])
+            elif kind == "bye":
+                w.bye = True
+        except (KeyError, ValueError, TypeError) as exc:
+            log.error("worker %d sent a malformed %r frame: %s", w.index, frame.get("t"), exc)
+
+    def _apply_event(self, w: WorkerInfo, frame: Frame) -> None:
+        item = frame["item"]
+        if item[0] == "f":
+            _, engine_id, cls, leg, detail = item
+            self._evidence.failure(engine_id, EngineFailure(FailureClass(cls), detail), leg)
+        else:
+            _, engine_id, kind, leg = item
+            self._evidence.success(engine_id, SuccessKind(kind), leg)
+        # After this turn's snapshot went out (it is written at once): a worker that learns
+        # its failure was applied knows every other worker has the result in its socket.
+        if not w.acks:
+            asyncio.get_running_loop().call_soon(self._ack, w)
+        w.acks.append(frame["seq"])
+
+    def _ack(self, w: WorkerInfo) -> None:
+        if w.acks and w.channel is not None:
+            w.channel.send("ack", upto=max(w.acks))
+        w.acks.clear()
+
+    def _on_lost(self, w: WorkerInfo) -> None:
+        w.channel = None
+
+    # ---------------------------------------------------------------- frames out
+    def _on_fleet_change(self, before: EngineState, after: EngineState, *_: Any) -> None:
+        self._dirty.add(after.id)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._broadcast)
+
+    def _broadcast(self) -> None:
+        """The engines that changed this turn, and the gate, to every worker, written now."""
+        self._scheduled = False
+        changed = [self._fleet.get(e) for e in sorted(self._dirty)]
+        self._dirty.clear()
+        self.version += 1
+        for w in self.workers:
+            if w.channel is not None:
+                self._send_snapshot(w.channel, changed)
+                w.channel.flush()
+
+    def _send_snapshot(self, channel: Channel, engines: list[EngineState]) -> None:
+        channel.send(
+            "snap",
+            version=self.version,
+            engines=[encode(e) for e in engines],
+            gate=self._gate().to_json(),
+        )
+
+    def _send_gate(self) -> None:
+        gate = self._gate().to_json()
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.send("gate", gate=gate)
+
+    def _gate(self) -> GateData:
+        return GateData(
+            self._lease_window(),
+            self._admission.reason("monitor"),
+            self._clock.monotonic() + self._window_s,
+        )
+
+    # ---------------------------------------------------------------- views
+    def pool_usage(self) -> tuple[int, int]:
+        return self.table.total(POOL_IN_USE), self.table.total(POOL_WAITING)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [w.to_json(self.table) for w in self.workers]
+
+
+def _someone_listens(host: str, port: int) -> bool:
+    """Whether a process already listens on the port: another router using `SO_REUSEPORT`
+    (a stale one) would otherwise silently share our clients. Loopback-fast."""
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _exit_reason(status: int) -> str:
+    if status < 0:
+        try:
+            return signal.Signals(-status).name
+        except ValueError:
+            return f"signal {-status}"
+    return f"exit {status}"
+
+
+def _ran_briefly(w: WorkerInfo, clock: Clock) -> bool:
+    """Whether `w` exited within a minute of starting (a crash loop backs off)."""
+    return w.started_at is not None and clock.wall() - w.started_at < 60.0
+
+
+def sweep_stale_runtime_dirs(base: Path) -> list[Path]:
+    """Runtime directories `narwhal-<pid>-*` left by a control process that was killed."""
+    removed = []
+    for path in base.glob("narwhal-*-*"):
+        try:
+            pid = int(path.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        _remove_tree(path)
+        removed.append(path)
+    return removed
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""Counts shared by the control process and its workers: one row of int64 per worker.
+
+A `memfd` (no name to leak, freed with its last holder) mapped by every process. Only a row's
+owner writes it; an aligned 8-byte store is never torn, and readers sum the rows, so a reader
+is at most one update behind, which placement and drain settling tolerate.
+
+Row layout: `[0]` completions and `[1]` chat requests in progress (what a crash loses),
+`[2]` data connections in use, `[3]` requests waiting for one, `[4 + c]` in flight on engine
+column `c` (the config's order).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+COMPLETIONS, CHAT, POOL_IN_USE, POOL_WAITING = 0, 1, 2, 3
+_FIXED = 4
+ENDPOINT_COLUMN = {"completions": COMPLETIONS, "chat": CHAT}
+
+
+class WorkerTable:
+    def __init__(self, fd: int, rows: int, engine_ids: Sequence[str]) -> None:
+        self.fd = fd
+        self.rows = rows
+        self.columns = {e: _FIXED + i for i, e in enumerate(engine_ids)}
+        self.width = _FIXED + len(engine_ids)
+        self._map = mmap.mmap(fd, rows * self.width * 8)
+        self._words = memoryview(self._map).cast("q")
+
+    @classmethod
+    def create(cls, rows: int, engine_ids: Sequence[str]) -> WorkerTable:
+        """A fresh, zeroed table; its fd is inheritable only where passed explicitly."""
+        fd = os.memfd_create("narwhal-workers", os.MFD_CLOEXEC)
+        os.ftruncate(fd, rows * (_FIXED + len(engine_ids)) * 8)
+        return cls(fd, rows, engine_ids)
+
+    def add(self, row: int, column: int, delta: int) -> None:
+        """Only `row`'s owner calls this."""
+        self._words[row * self.width + column] += delta
+
+    def get(self, row: int, column: int) -> int:
+        return self._words[row * self.width + column]
+
+    def total(self, column: int) -> int:
+        words, width = self._words, self.width
+        return sum(words[r * width + column] for r in range(self.rows))
+
+    def zero(self, row: int) -> None:
+        """A dead worker's row (the control process, before the replacement starts)."""
+        base = row * self.width
+        for i in range(self.width):
+            self._words[base + i] = 0
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+        os.close(self.fd)
+
+
+class SharedInFlight:
+    """`InFlight` over the table: a worker writes its own row (`row`); every reader sums."""
+
+    def __init__(self, table: WorkerTable, row: int | None) -> None:
+        self._table = table
+        self._row = row
+        self._columns = table.columns
+
+    def enter(self, engine_id: str) -> None:
+        assert self._row is not None, "the control process only reads in-flight counts"
+        self._table.add(self._row, self._columns[engine_id], 1)
+
+    def leave(self, engine_id: str) -> None:
+        assert self._row is not None, "the control process only reads in-flight counts"
+        self._table.add(self._row, self._columns[engine_id], -1)
+
+    def of(self, engine_id: str) -> int:
+        return self._table.total(self._columns[engine_id])

@@ -1,0 +1,337 @@
+"""A data-plane worker process: `python -m narwhal.process.worker --channel-fd F --index K`.
+
+It serves the OpenAI endpoints on its own event loop from a `SO_REUSEPORT` listener on the
+router's port, placing requests over a replica of the control process's fleet. It never
+decides anything about an engine: leg outcomes go to the control process as events, and
+snapshots come back. `/ready` and `/health` are answered here (load balancers' probes never
+wait on the control process); `/metrics` and `/admin/*` are forwarded to the control
+process, so they read the same whichever worker accepted the connection.
+
+It dies with the control process (`PR_SET_PDEATHSIG`), and stops admitting when the control
+process goes quiet (`gate.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from importlib import resources
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from narwhal.clock import SystemClock
+from narwhal.config import Config, parse_config
+from narwhal.dataplane.errors import openai_error
+from narwhal.dataplane.models import models_list
+from narwhal.dataplane.pool import Pool
+from narwhal.dataplane.proxy import DataPlane
+from narwhal.engine.registry import Adapters
+from narwhal.engine.transport import EngineClient
+from narwhal.fleet.codec import decode
+from narwhal.fleet.intervals import IntervalStats
+from narwhal.fleet.replica import FleetReplica
+from narwhal.http_errors import openai_http_errors
+from narwhal.process.channel import Channel, Frame
+from narwhal.process.gate import CONTROL_LOST, GateData, WorkerGate
+from narwhal.process.reporter import Reporter
+from narwhal.process.table import (
+    ENDPOINT_COLUMN,
+    POOL_IN_USE,
+    POOL_WAITING,
+    SharedInFlight,
+    WorkerTable,
+)
+from narwhal.telemetry import logs
+from narwhal.telemetry.loop_lag import watch_loop_lag
+from narwhal.telemetry.timeline import Timeline
+
+log = logging.getLogger("narwhal.worker")
+
+_PR_SET_PDEATHSIG = 1
+EXIT_ORPHANED = 70
+STATS_INTERVAL_S = 0.25
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the control process dies (even by SIGKILL): no orphan keeps
+    the port. The check after closes the race where the parent died before the call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_ORPHANED)
+
+
+class Worker:
+    def __init__(self, index: int, hello: Frame, channel: Channel) -> None:
+        self.index = index
+        self.config: Config = parse_config(hello["config"])
+        self.clock = SystemClock()
+        engines = self.config.engines
+        self.table = WorkerTable(hello["table_fd"], hello["rows"], [e.id for e in engines])
+        self._configs = {e.id: e for e in engines}
+        self.fleet = FleetReplica(engines, self.clock, in_flight=SharedInFlight(self.table, index))
+        self.gate = WorkerGate(self.clock)
+        self.channel = channel
+        self.reporter = Reporter(channel, self.fleet)
+        self.stats = IntervalStats(float("inf"), self.clock.monotonic())
+        self.timeline = Timeline()
+        share: int = hello["max_connections"]
+        self.client = EngineClient(share, 1)
+        self.pool = Pool("data", share, on_change=self._mirror_pool)
+        from narwhal.telemetry.metrics import DataMetrics  # after the multiprocess switch
+
+        self.metrics = DataMetrics()
+        self.dataplane = DataPlane(
+            self.config,
+            self.fleet,
+            self.client,
+            self.reporter,
+            self.metrics,
+            self.clock,
+            self.gate,
+            _request_ids(hello["request_prefix"]),
+            Adapters(self.client, self.clock, self.config.engine.probe_timeout_s),
+            stats=self.stats,
+            timeline=self.timeline,
+            pool=self.pool,
+        )
+        self.control_socket: str = hello["control_socket"]
+        self.drain = asyncio.Event()
+        self.grace_s: float = hello["grace_s"]
+
+    def _mirror_pool(self, pool: Pool) -> None:
+        row = self.index
+        table = self.table
+        table.add(row, POOL_IN_USE, pool.in_use - table.get(row, POOL_IN_USE))
+        table.add(row, POOL_WAITING, pool.waiting - table.get(row, POOL_WAITING))
+
+    # ---------------------------------------------------------------- frames
+    def on_frame(self, frame: Frame) -> None:
+        kind = frame["t"]
+        if kind == "snap":
+            configs = self._configs
+            self.fleet.load(decode(e, configs[e["id"]]) for e in frame["engines"])
+            self.gate.data = GateData.from_json(frame["gate"])
+            self.channel.send("seen", version=frame["version"])
+        elif kind == "gate":
+            self.gate.data = GateData.from_json(frame["gate"])
+        elif kind == "ack":
+            self.reporter.acked(frame["upto"])
+        elif kind == "drain":
+            self.grace_s = frame["grace_s"]
+            self.drain.set()
+
+    def on_lost(self) -> None:
+        self.gate.lost = True
+        self.grace_s = 0.0
+        self.drain.set()
+
+    # ---------------------------------------------------------------- HTTP
+    def build_app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.serving.max_body_bytes + 1024,
+            middlewares=[openai_http_errors],
+        )
+        dataplane, table, row = self.dataplane, self.table, self.index
+        reporter = self.reporter
+        header = {"X-Narwhal-Worker": str(self.index)}
+
+        def endpoint(name: Any) -> Any:
+            column = ENDPOINT_COLUMN[name]
+
+            async def handle(request: web.Request) -> web.StreamResponse:
+                table.add(row, column, 1)  # what a crash of this worker would lose
+                try:
+                    response = await dataplane.handle(name, request)
+                finally:
+                    table.add(row, column, -1)
+                await reporter.settled()  # a failure reached the reducer before the answer
+                return response
+
+            return handle
+
+        async def health(request: web.Request) -> web.StreamResponse:
+            return web.Response(text="ok", headers=header)
+
+        async def ready(request: web.Request) -> web.StreamResponse:
+            now = self.clock.monotonic()
+            fleet = self.fleet
+            reason = self.gate.ready(
+                [r for r in fleet.needed_roles() if not fleet.candidates(r, now)],
+                fleet.roles_without_verified(),
+            )
+            if reason is None:
+                return web.Response(text="ready", headers=header)
+            return web.Response(status=503, text=reason, headers=header)
+
+        async def models(request: web.Request) -> web.StreamResponse:
+            return web.json_response(models_list(self.config.model))
+
+        page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
+
+        async def dashboard(request: web.Request) -> web.StreamResponse:
+            return web.Response(body=page, content_type="text/html")
+
+        session: aiohttp.ClientSession | None = None
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            """`/metrics`, `/admin/*` and anything unknown: answered by the control process."""
+            nonlocal session
+            if session is None:
+                session = aiohttp.ClientSession(
+                    connector=aiohttp.UnixConnector(path=self.control_socket, limit=8),
+                    auto_decompress=False,
+                )
+            body = await request.read()
+            headers = {
+                k: v
+                for k in ("Authorization", "Content-Type", "Accept")
+                if (v := request.headers.get(k)) is not None
+            }
+            try:
+                async with session.request(
+                    request.method, "http://control" + request.path_qs, data=body, headers=headers
+                ) as answer:
+                    payload = await answer.read()
+                    out = {
+                        k: v
+                        for k in ("Content-Type", "WWW-Authenticate", "Retry-After", "Allow")
+                        if (v := answer.headers.get(k)) is not None
+                    }
+                    return web.Response(status=answer.status, body=payload, headers=out)
+            except (aiohttp.ClientError, OSError):
+                return openai_error(503, CONTROL_LOST, "service_unavailable", retry_after_s=1)
+
+        async def close_session(app: web.Application) -> None:
+            if session is not None:
+                await session.close()
+
+        app.on_cleanup.append(close_session)
+        app.router.add_post("/v1/completions", endpoint("completions"))
+        app.router.add_post("/v1/chat/completions", endpoint("chat"))
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
+        app.router.add_get("/ready", ready)
+        app.router.add_get("/dashboard", dashboard)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        return app
+
+    # ---------------------------------------------------------------- run
+    async def ship_stats(self) -> None:
+        """Every `STATS_INTERVAL_S`: this worker's request counts and latency buckets, as
+        deltas the control process merges into its windows and timeline."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            self.send_stats()
+
+    def send_stats(self) -> None:
+        window = self.stats.take(self.clock.monotonic())
+        requests, errors, latency = self.timeline.take()
+        engines = {
+            e: [w.requests, w.latency.sparse(), w.inter_token.sparse()]
+            for e, w in window.engines.items()
+        }
+        if engines or requests:
+            self.channel.send("stats", engines=engines, timeline=[requests, errors, latency])
+
+    async def run(self, host: str, port: int) -> None:
+        await self.client.start()
+        runner = web.AppRunner(
+            self.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.0
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=True)
+        try:
+            await site.start()
+            self.channel.send("ready", pid=os.getpid())
+            async with asyncio.TaskGroup() as tg:
+                lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag))
+                stats = tg.create_task(self.ship_stats())
+                await self.drain.wait()
+                self.gate.draining = True
+                # Stop accepting, close idle connections, let running requests finish
+                # within the grace, then cancel what is left.
+                runner._shutdown_timeout = self.grace_s
+                await runner.cleanup()
+                lag.cancel()
+                stats.cancel()
+            self.send_stats()
+            self.channel.send("bye")
+            self.channel.flush()
+        finally:
+            await runner.cleanup()
+            await self.client.close()
+
+
+def _request_ids(prefix: str) -> Any:
+    counter = iter(range(1, sys.maxsize))
+    return lambda: f"{prefix}-{next(counter)}"
+
+
+async def _main(channel_fd: int, index: int) -> int:
+    loop = asyncio.get_running_loop()
+    hello: asyncio.Future[Frame] = loop.create_future()
+    early: list[Frame] = []
+    worker: Worker | None = None
+
+    def on_frame(frame: Frame) -> None:
+        if worker is not None:
+            worker.on_frame(frame)
+        elif frame["t"] == "hello" and not hello.done():
+            hello.set_result(frame)
+        else:
+            early.append(frame)
+
+    def on_lost() -> None:
+        if worker is not None:
+            worker.on_lost()
+        elif not hello.done():
+            hello.set_exception(ConnectionError("control process closed the channel"))
+
+    sock = socket.socket(fileno=channel_fd)
+    channel = await Channel.open(sock, on_frame, on_lost)
+    first = await hello
+    die_with_parent(first["control_pid"])
+    logs.configure(*first["log"])
+    _use_multiprocess_metrics(first["metrics_id"])
+    worker = Worker(index, first, channel)
+    for frame in early:
+        worker.on_frame(frame)
+    # SIGTERM to this worker alone: drain it (the control process restarts it).
+    loop.add_signal_handler(signal.SIGTERM, worker.drain.set)
+    await worker.run(first["host"], first["port"])
+    return 0
+
+
+def _use_multiprocess_metrics(ident: str) -> None:
+    """Count the data plane's metrics in files under `PROMETHEUS_MULTIPROC_DIR`, which the
+    control process sums at each scrape; they outlive a crash of this worker. Must run
+    before any metric exists; `ident` names this worker's files (no getpid per update)."""
+    from prometheus_client import values
+
+    values.ValueClass = values.MultiProcessValue(lambda: ident)  # type: ignore[no-untyped-call]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="narwhal-worker")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the control process decides
+    with contextlib.suppress(ConnectionError):
+        return asyncio.run(_main(args.channel_fd, args.index))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

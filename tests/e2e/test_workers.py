@@ -1,0 +1,362 @@
+"""`serving.workers: 2`, end to end: one control process, two data-plane worker processes
+(DESIGN §9), real `narwhal-sim` engines, real faults.
+
+What is checked: a failure seen by one worker pauses the engine for the other before the
+client has its answer; a crashed worker is restarted, its requests counted as lost and
+nothing charged to an engine; `/metrics` and `/admin` read the same through either worker;
+an operator drain holds on every worker; killing the control process closes the port within
+1 s and leaves no worker; a stopped control process makes the workers refuse with
+`control process lost`; SIGTERM lets a running stream finish. Which worker a connection
+reached is read from `/health`'s `X-Narwhal-Worker` on a one-connection session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.support.http import metric_sum
+from tests.support.poll import eventually
+from tests.support.router import StartRouter, router_config
+from tests.support.sim_process import SimFactory, SimProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "demo-model"
+BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[list[SimProcess]]:
+    """p0, p1 (prefill) and d0 (decode); d0 streams slowly enough to be caught mid-stream."""
+    factory = SimFactory()
+    try:
+        yield factory.start_many(
+            [["--role", "prefill", "--kv-role", "kv_producer"],
+             ["--role", "prefill", "--kv-role", "kv_producer"],
+             ["--role", "decode", "--kv-role", "kv_consumer", "--itl-ms", "20"]]
+        )  # fmt: skip
+    finally:
+        factory.close()
+
+
+def _engines(sims: list[SimProcess]) -> list[dict[str, Any]]:
+    p0, p1, d0 = sims
+    return [
+        {"id": "p0", "url": p0.url, "role": "prefill"},
+        {"id": "p1", "url": p1.url, "role": "prefill"},
+        {"id": "d0", "url": d0.url, "role": "decode"},
+    ]
+
+
+async def _ready(http: aiohttp.ClientSession, url: str) -> None:
+    async def ok() -> bool:
+        try:
+            async with http.get(url + "/ready") as r:
+                return r.status == 200
+        except aiohttp.ClientConnectionError:
+            return False
+
+    await eventually(ok, what=f"{url}/ready 200")
+
+
+@contextlib.asynccontextmanager
+async def _pinned(url: str, worker: int) -> AsyncIterator[aiohttp.ClientSession]:
+    """A session whose one keep-alive connection was accepted by `worker`."""
+    for _ in range(200):
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        async with session.get(url + "/health") as r:
+            await r.read()
+            if r.headers["X-Narwhal-Worker"] == str(worker):
+                try:
+                    yield session
+                finally:
+                    await session.close()
+                return
+        await session.close()
+    raise AssertionError(f"no connection reached worker {worker} in 200 tries")
+
+
+def _client_requests(sim: SimProcess) -> list[dict[str, Any]]:
+    return [r for r in sim.requests() if r["body"].get("prompt") == BODY["prompt"]]
+
+
+async def _start(start_router: StartRouter, sims: list[SimProcess], **sections: Any) -> Any:
+    serving = {"workers": 2, **sections.pop("serving", {})}
+    rr = await start_router(_engines(sims), serving=serving, **sections)
+    async with aiohttp.ClientSession() as http:
+        await _ready(http, rr.url)
+    return rr
+
+
+async def _metrics(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+async def test_a_failure_seen_by_one_worker_pauses_the_engine_for_the_other(
+    start_router: StartRouter, sims: list[SimProcess], tmp_path: Path
+) -> None:
+    p0 = sims[0]
+    rr = await _start(start_router, sims, recovery={"eject_after": 1, "liveness_misses": 100})
+    async with _pinned(rr.url, 0) as a, _pinned(rr.url, 1) as b:
+        p0.add_fault({"kind": "completion_status", "status": 500, "leg": "prefill"})
+        try:
+            failed = 0
+            for _ in range(10):
+                async with a.post(rr.url + "/v1/completions", json=BODY) as r:
+                    await r.read()
+                    if r.status != 200:
+                        failed += 1
+                        break
+            assert failed == 1, "worker 0 never placed a request on the failing p0"
+            # At once, through the other worker: p0 is paused there too.
+            p0.clear_requests()
+            for _ in range(20):
+                async with b.post(rr.url + "/v1/completions", json=BODY) as r:
+                    assert r.status == 200, await r.text()
+            assert _client_requests(p0) == []  # (the control process's probes aside)
+        finally:
+            p0.clear_faults()
+    engines = {e["id"]: e for e in rr.router.engines_json()}
+    assert engines["p0"]["ejected"] and not engines["p0"]["eligible"]
+
+
+async def test_a_crashed_worker_is_restarted_and_its_requests_count_as_lost(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    rr = await _start(start_router, sims)
+    stream = {**BODY, "max_tokens": 500, "stream": True}
+    async with _pinned(rr.url, 1) as victim, aiohttp.ClientSession() as http:
+        before = (await (await http.get(rr.url + "/admin/workers")).json())["workers"]
+
+        async def one() -> int:
+            try:
+                async with victim.post(rr.url + "/v1/completions", json=stream) as r:
+                    await r.read()
+                    return r.status
+            except aiohttp.ClientError:
+                return -1
+
+        # One connection, so one stream at a time: it is in progress on worker 1.
+        streaming = asyncio.create_task(one())
+        await eventually(
+            lambda: rr.router.supervisor.table.get(1, 0) == 1, what="a stream on worker 1"
+        )
+        os.kill(before[1]["pid"], signal.SIGKILL)
+        assert await streaming == -1  # the client sees its connection drop
+        workers = await eventually(_restarted(http, rr.url), what="worker 1 restarted")
+        assert workers[1]["pid"] != before[1]["pid"] and workers[1]["restarts"] == 1
+        assert workers[0]["pid"] == before[0]["pid"] and workers[0]["restarts"] == 0
+        text = await _metrics(http, rr.url)
+        assert metric_sum(text, "narwhal_worker_lost_requests_total", endpoint="completions") == 1
+        assert metric_sum(text, "narwhal_worker_exits_total", reason="SIGKILL") == 1
+        assert metric_sum(text, "narwhal_engine_failures_total") == 0
+        assert metric_sum(text, "narwhal_evidence_streak") == 0
+        for _ in range(10):  # both workers serve again
+            async with http.post(rr.url + "/v1/completions", json=BODY) as r:
+                assert r.status == 200, await r.text()
+
+
+def _restarted(http: aiohttp.ClientSession, url: str) -> Any:
+    async def probe() -> list[dict[str, Any]] | None:
+        async with http.get(url + "/admin/workers") as r:
+            workers: list[dict[str, Any]] = (await r.json())["workers"]
+        return workers if all(w["running"] for w in workers) and workers[1]["restarts"] else None
+
+    return probe
+
+
+async def test_metrics_and_admin_read_the_same_through_every_worker(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    rr = await _start(start_router, sims)
+    n = 30
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(http.post(rr.url + "/v1/completions", json=BODY) for _ in range(n)))
+    async with _pinned(rr.url, 0) as a, _pinned(rr.url, 1) as b:
+        seen = []
+        for session in (a, b):
+            text = await _metrics(session, rr.url)
+            seen.append(metric_sum(text, "narwhal_requests_total", outcome="ok"))
+            async with session.get(rr.url + "/admin/engines") as r:
+                assert r.status == 200
+                assert {e["id"] for e in (await r.json())["engines"]} == {"p0", "p1", "d0"}
+        assert seen == [n, n]
+
+
+async def test_an_operator_drain_holds_on_every_worker_when_it_is_answered(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    rr = await _start(start_router, sims)
+    async with _pinned(rr.url, 0) as a, _pinned(rr.url, 1) as b:
+        async with a.post(rr.url + "/admin/engines/p0/drain", json={"reason": "test"}) as r:
+            assert r.status == 200
+        sims[0].clear_requests()
+        for _ in range(10):
+            async with b.post(rr.url + "/v1/completions", json=BODY) as r:
+                assert r.status == 200
+        assert _client_requests(sims[0]) == []
+        async with b.get(rr.url + "/admin/engines") as r:
+            p0 = next(e for e in (await r.json())["engines"] if e["id"] == "p0")
+        assert "operator_drain" in p0["holds"]
+
+
+async def test_a_second_router_on_the_same_port_fails_to_start(
+    start_router: StartRouter, sims: list[SimProcess], tmp_path: Path
+) -> None:
+    rr = await _start(start_router, sims)
+    port = int(rr.url.rsplit(":", 1)[1])
+    other = _RouterProcess(tmp_path, _engines(sims), port=port, workers=2)
+    other.start()
+    assert other.wait(10) == 1
+    assert "another SO_REUSEPORT listener" in other.log()
+
+
+# --------------------------------------------------------------------------- the control
+# process as a child: the test can SIGKILL, SIGSTOP and SIGTERM it.
+
+
+class _RouterProcess:
+    def __init__(
+        self, tmp: Path, engines: list[dict[str, Any]], *, port: int, workers: int
+    ) -> None:
+        config = router_config(engines, tmp, serving={"workers": workers})
+        config["listen"] = f"127.0.0.1:{port}"
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        name = f"router-{time.monotonic_ns()}"
+        self.config_path = tmp / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp / f"{name}.log"
+        (tmp / "state").mkdir(exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "narwhal.cli.serve", "--config", str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def router_process(tmp_path: Path, sims: list[SimProcess]) -> Iterator[_RouterProcess]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rp = _RouterProcess(tmp_path, _engines(sims), port=port, workers=2)
+    rp.start()
+    try:
+        yield rp
+    finally:
+        rp.close()
+
+
+def _refused(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return False
+    except ConnectionRefusedError:
+        return True
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie waiting for its reaper is gone too: it holds no socket.
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    return True
+
+
+async def _worker_pids(url: str) -> list[int]:
+    async with aiohttp.ClientSession() as http:
+        await _ready(http, url)
+        async with http.get(url + "/admin/workers") as r:
+            return [w["pid"] for w in (await r.json())["workers"]]
+
+
+async def test_killing_the_control_process_closes_the_port_within_a_second(
+    router_process: _RouterProcess,
+) -> None:
+    pids = await _worker_pids(router_process.url)
+    assert len(pids) == 2
+    router_process.signal(signal.SIGKILL)
+    await eventually(lambda: _refused(router_process.port), timeout_s=1.0, what="port closed")
+    await eventually(lambda: all(_gone(p) for p in pids), timeout_s=1.0, what="workers gone")
+
+
+async def test_a_stopped_control_process_makes_the_workers_refuse(
+    router_process: _RouterProcess,
+) -> None:
+    await _worker_pids(router_process.url)
+    url = router_process.url
+    router_process.signal(signal.SIGSTOP)
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def refused() -> bool:
+                async with http.get(url + "/ready") as r:
+                    return r.status == 503 and await r.text() == "control process lost"
+
+            # One monitor interval, at least 0.5 s, then a heartbeat's margin.
+            await eventually(refused, timeout_s=1.5, what="/ready: control process lost")
+            async with http.post(url + "/v1/completions", json=BODY) as r:
+                assert r.status == 503
+                assert "control process lost" in (await r.json())["error"]["message"]
+    finally:
+        router_process.signal(signal.SIGCONT)
+    async with aiohttp.ClientSession() as http:
+        await _ready(http, url)
+
+
+async def test_sigterm_lets_a_running_stream_finish(router_process: _RouterProcess) -> None:
+    await _worker_pids(router_process.url)
+    url = router_process.url
+    stream = {**BODY, "max_tokens": 40, "stream": True}  # ~0.8 s at 20 ms per token
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json=stream) as r:
+            assert r.status == 200
+            await r.content.readline()  # the stream is running
+            router_process.signal(signal.SIGTERM)
+            await eventually(lambda: _refused(router_process.port), what="port closed")
+            body = await r.read()
+        assert body.rstrip().endswith(b"data: [DONE]")
+    assert router_process.wait(10) == 0
