@@ -163,6 +163,14 @@ class ServingConfig(_Section):
     workers: PositiveInt | Literal["auto"] = 1
     shutdown_grace_s: PositiveFloat = 30.0
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        """One message naming the key (the union's own errors would name its branches)."""
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError("must be a positive integer or auto")
+
     @model_validator(mode="after")
     def _timings(self) -> Self:
         if self.first_token_timeout_s > self.request_timeout_s:

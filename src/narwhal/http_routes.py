@@ -119,6 +119,7 @@ def add_routes(app: web.Application, router: Router) -> None:
             return found
         engine_id, reason = found
         router.operator.drain(engine_id, reason)
+        router.publish()
         return web.json_response({"engine": engine_id, "hold": "operator_drain"})
 
     async def maintenance(request: web.Request) -> web.StreamResponse:
@@ -127,6 +128,7 @@ def add_routes(app: web.Application, router: Router) -> None:
             return found
         engine_id, reason = found
         await router.operator.maintenance(engine_id, reason)
+        router.publish()
         return web.json_response({"engine": engine_id, "hold": "planned_maintenance"})
 
     async def readmit(request: web.Request) -> web.StreamResponse:
@@ -135,6 +137,7 @@ def add_routes(app: web.Application, router: Router) -> None:
             return found
         engine_id, reason = found
         steps = await router.operator.readmit(engine_id, reason)
+        router.publish()
         ok = all(s["ok"] for s in steps)
         return web.json_response(
             {"engine": engine_id, "readmitted": ok, "steps": steps}, status=200 if ok else 409

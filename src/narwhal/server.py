@@ -294,6 +294,11 @@ class Router:
         self.readmission.schedule(now, self.engine_tasks)
 
     # ------------------------------------------------------------------ state views
+    def publish(self) -> None:
+        """Push engine changes to the data-plane workers now (no-op with one process)."""
+        if self.supervisor is not None:
+            self.supervisor.publish_now()
+
     def data_pool_usage(self) -> tuple[int, int]:
         """Data connections in use and requests waiting for one, over every data plane."""
         if self.supervisor is not None:
@@ -397,7 +402,13 @@ class Router:
             await continue_sequence(self.handoff)  # an applied resume already continued it
         if self.ownership is not None:
             await self.ownership.start(self.standby)
-        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        # Shutdown closes the listener, then lets running requests finish within the grace.
+        runner = web.AppRunner(
+            self.build_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.config.serving.shutdown_grace_s,
+        )
         await runner.setup()
         runtime: Path | None = None
         try:

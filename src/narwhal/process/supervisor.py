@@ -61,7 +61,7 @@ def restart_delay_s(recent_exits: int) -> float:
     then 0.5 s, doubling up to 10 s."""
     if recent_exits <= 1:
         return 0.0
-    return float(min(10.0, 0.5 * 2.0 ** (recent_exits - 2)))
+    return min(10.0, 0.5 * 2.0 ** min(recent_exits - 2, 5))
 
 
 def shares(total: int, n: int) -> list[int]:
@@ -131,6 +131,7 @@ class Supervisor:
         self.metrics_dir = runtime_dir / "metrics"
         self.workers = [WorkerInfo(i) for i in range(count)]
         self._shares = shares(config.serving.max_connections, count)
+        self._queue_shares = shares(config.serving.queue_limit, count)
         self.version = 0
         self._dirty: set[str] = set()
         self._scheduled = False
@@ -223,18 +224,21 @@ class Supervisor:
                 pass_fds=(child.fileno(), self.table.fd),
                 env=env,
             )
+        except OSError:
+            parent.close()
+            raise
         finally:
             child.close()
         self._procs[w.index] = proc
         w.pid = proc.pid
         w.started_at = self._clock.wall()
         w.ready = asyncio.get_running_loop().create_future()
-        w.channel = await Channel.open(
+        channel = w.channel = await Channel.open(
             parent, lambda f: self._on_frame(w, f), lambda: self._on_lost(w)
         )
-        w.channel.send("hello", **self._hello(w))
-        self._send_snapshot(w.channel, list(self._fleet))
-        w.channel.flush()
+        channel.send("hello", **self._hello(w))
+        self._send_snapshot(channel, list(self._fleet))
+        channel.flush()
         waiter = asyncio.ensure_future(proc.wait())
         try:
             done, _ = await asyncio.wait(
@@ -246,6 +250,8 @@ class Supervisor:
         if w.ready not in done:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+            await proc.wait()
+            channel.close()
             raise OSError(f"data-plane worker {w.index} failed to start")
         w.running = True
         log.info("worker %d started (pid %d)", w.index, proc.pid)
@@ -258,6 +264,7 @@ class Supervisor:
             "table_fd": self.table.fd,
             "rows": self.count,
             "max_connections": self._shares[w.index],
+            "queue_limit": self._queue_shares[w.index],
             "control_socket": self.control_socket,
             "control_pid": os.getpid(),
             "grace_s": self._config.serving.shutdown_grace_s,
@@ -295,12 +302,14 @@ class Supervisor:
                 sum(lost.values()),
             )
             w.recent_exits = w.recent_exits + 1 if _ran_briefly(w, self._clock) else 1
-            await asyncio.sleep(restart_delay_s(w.recent_exits))
-            try:
-                await self._spawn(w)
-            except OSError as exc:
-                log.error("worker %d: restart failed: %s", w.index, exc)
-                continue
+            while True:  # until a replacement listens; a failed start backs off further
+                await asyncio.sleep(restart_delay_s(w.recent_exits))
+                try:
+                    await self._spawn(w)
+                    break
+                except OSError as exc:
+                    log.error("worker %d: restart failed: %s", w.index, exc)
+                    w.recent_exits += 1
             w.restarts += 1
             self._metrics.worker_restarts.inc()
 
@@ -356,8 +365,16 @@ class Supervisor:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._broadcast)
 
+    def publish_now(self) -> None:
+        """Write this turn's pending snapshot at once: an operator's change is in every
+        worker's socket before the operator is answered."""
+        if self._scheduled:
+            self._broadcast()
+
     def _broadcast(self) -> None:
         """The engines that changed this turn, and the gate, to every worker, written now."""
+        if not self._scheduled:
+            return  # published early by `publish_now`
         self._scheduled = False
         changed = [self._fleet.get(e) for e in sorted(self._dirty)]
         self._dirty.clear()
@@ -426,15 +443,12 @@ def sweep_stale_runtime_dirs(base: Path) -> list[Path]:
     for path in base.glob("narwhal-*-*"):
         try:
             pid = int(path.name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        try:
             os.kill(pid, 0)
-            continue
+            continue  # alive
         except ProcessLookupError:
             pass
-        except PermissionError:
-            continue
+        except (IndexError, ValueError, OverflowError, PermissionError):
+            continue  # not ours, or not a pid
         _remove_tree(path)
         removed.append(path)
     return removed

@@ -74,7 +74,11 @@ def die_with_parent(parent_pid: int) -> None:
 class Worker:
     def __init__(self, index: int, hello: Frame, channel: Channel) -> None:
         self.index = index
-        self.config: Config = parse_config(hello["config"])
+        config = parse_config(hello["config"])
+        # This worker's share of the router's bounds (the control process split them).
+        bounds = {"max_connections": hello["max_connections"], "queue_limit": hello["queue_limit"]}
+        serving = config.serving.model_copy(update=bounds)
+        self.config: Config = config.model_copy(update={"serving": serving})
         self.clock = SystemClock()
         engines = self.config.engines
         self.table = WorkerTable(hello["table_fd"], hello["rows"], [e.id for e in engines])
