@@ -46,7 +46,7 @@ test: lint typecheck pytest
 test-fast: $(STAMP) system-deps
 	$(BIN)/pytest -q -m 'not slow and not llama'
 
-# Benchmarks (docs/benchmarks.md): full run (~22 min on 2 cores, llama and floor_ab suites included) and a quick smoke (< 1 min).
+# Benchmarks (docs/benchmarks.md): full run (~28 min on 2 cores, llama, floor_ab and router_bound suites included) and a quick smoke (< 1 min).
 bench: $(STAMP)
 	$(BIN)/python -m bench --mode full --report docs/benchmarks.md --results bench-results
 

@@ -1,5 +1,7 @@
 """`python -m bench --mode quick|full|soak --report FILE --results DIR [--suites a,b] [--no-peers]`.
 
+`--workers-sweep 1,2,4,8` replaces the router_bound suite's Narwhal `serving.workers` values.
+
 Starts everything on loopback, runs the suites in order (each bounded in requests and time),
 stops everything, writes DIR/<mode>.json (raw results) and the Markdown report.
 """
@@ -23,7 +25,17 @@ from bench.context import PEER_KINDS, Context, jsonable, load_python, loadavg
 from bench.loadgen.driver import LoadGen
 from bench.modes import MODES
 from bench.report.render import render
-from bench.suites import control, faults, floor_ab, llama, overhead, profile, soak, streams
+from bench.suites import (
+    control,
+    faults,
+    floor_ab,
+    llama,
+    overhead,
+    profile,
+    router_bound,
+    soak,
+    streams,
+)
 from bench.tokenizer import write_tokenizer
 from bench.venv import BenchVenv, ensure_venv
 
@@ -37,7 +49,15 @@ SUITES: dict[str, Suite] = {
     "llama": llama.run,
     "soak": soak.run,
     "floor_ab": floor_ab.run,
+    "router_bound": router_bound.run,
 }
+
+
+def _workers(text: str) -> tuple[str, ...]:
+    try:
+        return router_bound.parse_workers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", help="routers for the fault suite (default: the mode's)")
     p.add_argument("--seed", type=int, help="the soak schedule's seed (default: the mode's)")
     p.add_argument("--soak-s", type=float, help="soak seconds per router (default: the mode's)")
+    p.add_argument(
+        "--workers-sweep",
+        type=_workers,
+        metavar="N,N,...",
+        help="Narwhal serving.workers values for router_bound, e.g. 1,2,4,8 or 1,2,auto "
+        "(default: the mode's, 1,2,auto)",
+    )
     p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
     return p
 
@@ -65,6 +92,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, soak_seed=args.seed)
     if args.soak_s is not None:
         mode = replace(mode, soak_s=args.soak_s)
+    if args.workers_sweep:
+        mode = replace(mode, router_bound_workers=args.workers_sweep)
     results_dir, work = _prepare(args.results, mode.name)
     started = time.time()
     if args.no_peers:

@@ -23,9 +23,13 @@ def router_spec(name: str) -> RouterSpec:
     """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `floor`
     (bench.floor: the HTTP stack's own cost), `direct`; `narwhal-uvloop` and `floor-uvloop`
     (the same on uvloop), `floor-raw` (bench.floor_raw: the floor on asyncio protocols,
-    httptools and uvloop), `floor-granian` (bench.floor_granian: granian serving)."""
+    httptools and uvloop), `floor-granian` (bench.floor_granian: granian serving);
+    `narwhal-w<N>` and `narwhal-wauto`: Narwhal with `serving.workers` N or auto."""
     if name in ("direct", "floor", "floor-raw", "floor-granian"):
         return RouterSpec(name, name)
+    if name.startswith("narwhal-w"):
+        workers = name.removeprefix("narwhal-w")
+        return RouterSpec(name, "narwhal", workers=workers if workers == "auto" else int(workers))
     if name == "floor-uvloop":
         return RouterSpec(name, "floor", uvloop=True)
     if name.startswith("narwhal"):

@@ -1,4 +1,4 @@
-"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~22 min) and
+"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~28 min) and
 `soak` (the chaos soak alone: 3 minutes per router, Narwhal then each peer)."""
 
 from __future__ import annotations
@@ -58,6 +58,13 @@ class Mode:
     floor_ab_s: float = 4.0  # seconds per measured run
     floor_ab_c: int = 64  # concurrent clients
     floor_ab_reps: int = 3
+    # router-bound with data-plane workers (bench.suites.router_bound; part of full mode):
+    # Narwhal once per `serving.workers` value (`--workers-sweep` replaces the list), the peers
+    # beside it; 5 targets x 2 stream modes x 2 concurrencies x 3 rounds of 4 s is ~6 min
+    router_bound_workers: tuple[str, ...] = ("1", "2", "auto")
+    router_bound_c: tuple[int, ...] = (64, 256)
+    router_bound_s: float = 4.0  # seconds per measured run
+    router_bound_reps: int = 3
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
@@ -100,6 +107,8 @@ MODES = {
         floor_ab_s=0.6,
         floor_ab_c=8,
         floor_ab_reps=1,
+        router_bound_s=1.0,
+        router_bound_reps=1,
     ),
     "full": Mode(
         name="full",
@@ -125,7 +134,16 @@ MODES = {
         llama_prompt_words=1500,
         llama_tokens=16,
         llama_threads=2,
-        suites=("overhead", "streams", "faults", "control", "profile", "llama", "floor_ab"),
+        suites=(
+            "overhead",
+            "streams",
+            "faults",
+            "control",
+            "profile",
+            "llama",
+            "floor_ab",
+            "router_bound",
+        ),
     ),
 }
 

@@ -48,6 +48,14 @@ def usage(pid: int) -> Usage:
     return Usage(cpu, mem["VmRSS"], mem["VmHWM"])
 
 
+def reaped_cpu_s(pid: int) -> float:
+    """CPU of the process's children that have exited and been waited for (cutime + cstime):
+    what a child that died during a measurement spent, once its parent reaped it."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[13]) + int(fields[14])) / _TICKS
+
+
 def reset_peak(pid: int) -> bool:
     """Reset VmHWM to the current RSS; False when the kernel refuses."""
     try:

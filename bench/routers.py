@@ -26,7 +26,8 @@ BOOTSTRAP_PORT = "8998"  # SGLang's KV bootstrap port: announced to engines, nev
 class RouterSpec:
     """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor, floor-raw,
     floor-granian or direct. `uvloop`: Narwhal or a floor started through `bench.uvrun`
-    (floor-raw always is)."""
+    (floor-raw always is). `workers`: Narwhal's `serving.workers` (an int or "auto"); None
+    leaves Narwhal's default."""
 
     name: str
     kind: str
@@ -35,6 +36,7 @@ class RouterSpec:
     narwhal: dict[str, Any] = field(default_factory=dict)  # extra Narwhal config sections
     snapshots: Path | None = None  # Narwhal under tracemalloc, snapshots here (bench.traced)
     uvloop: bool = False
+    workers: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -61,12 +63,15 @@ def narwhal_config(spec: RouterSpec, engines: Engines, port: int, state: Path) -
     listed: list[dict[str, Any]] = [
         {"id": f"p{i}", "url": u, "role": "prefill"} for i, u in enumerate(engines.prefill)
     ] + [{"id": f"d{i}", "url": u, "role": "decode"} for i, u in enumerate(engines.decode)]
+    serving: dict[str, Any] = {"policy": spec.policy}
+    if spec.workers is not None:
+        serving["workers"] = spec.workers  # data-plane worker processes (DESIGN §9)
     config: dict[str, Any] = {
         "router_id": f"bench-{spec.name}",
         "listen": f"127.0.0.1:{port}",
         "model": engines.model,
         "engines": listed,
-        "serving": {"policy": spec.policy},
+        "serving": serving,
         "handoff": {"path": str(state / "handoff.json")},
         "lease": {"backend": "none"},
     }

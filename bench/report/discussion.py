@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.report import router_bound
 from bench.report.fmt import is_peer
 from bench.report.overhead import paired_added, point
 
@@ -278,6 +279,7 @@ def render(doc: dict[str, Any]) -> str:
         ("Many streams", _streams(suites.get("streams") or {})),
         ("Faults", _faults(suites.get("faults") or {})),
         ("Control plane", _control(suites.get("control") or {}, 1.0)),
+        ("Router-bound, with workers", router_bound.behind(suites.get("router_bound") or {})),
     ]
     out = []
     for title, items in sections:

@@ -24,10 +24,13 @@ def render(doc: dict[str, Any]) -> str:
     return f"""### Running it
 
 ```sh
-make bench          # full mode: this file, raw JSON in bench-results/full.json (~22 min)
+make bench          # full mode: this file, raw JSON in bench-results/full.json (~28 min)
 make bench-quick    # quick mode: bench-results/quick.md (under a minute once set up)
 .venv/bin/python -m bench --mode full --report docs/benchmarks.md --results bench-results \\
-    [--suites overhead,streams,faults,control,profile,llama] [--no-peers]
+    [--suites overhead,streams,faults,control,profile,llama,floor_ab,router_bound] [--no-peers]
+# the router-bound suite alone, e.g. on a bigger machine with its own workers list (~6 min here):
+.venv/bin/python -m bench --mode full --suites router_bound --workers-sweep 1,2,4,8,auto \\
+    --report bench-results/router_bound.md --results bench-results/router_bound
 ```
 
 The first run creates `bench/.venv` and installs the peers there with pip (`vllm-router==0.1.17`,
@@ -64,7 +67,9 @@ to download one.
 - **Router CPU and memory**: `utime + stime` of the router process (all threads) from
   `/proc/<pid>/stat` before and after each run; peak memory is `VmHWM` from
   `/proc/<pid>/status`, reset before each run (`echo 5 > /proc/<pid>/clear_refs`), so it is the
-  run's own peak RSS.
+  run's own peak RSS. The floor_ab and router_bound suites sum every process of the router
+  (the process started and its descendants, e.g. Narwhal's control process and its
+  data-plane workers); router_bound reports each process's VmRSS at the end of the run.
 - **Medians**: the overhead suite runs every target once per round, in a rotated order, for
   `reps` rounds; tables show the median of the rounds (the p50/p99 columns are each run's
   percentiles, then the median over rounds). The c=1 target is judged on a separate

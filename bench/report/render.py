@@ -14,6 +14,7 @@ from bench.report import (
     method,
     overhead,
     profile,
+    router_bound,
     soak,
     streams,
     targets,
@@ -47,6 +48,7 @@ SUITES = (
     ("control", "Control-plane cost", control.render),
     ("profile", "Hot-path profile (Narwhal)", profile.render),
     ("floor_ab", "HTTP stack: the floor three ways, and uvloop", floor_ab.render),
+    ("router_bound", "Router-bound: data-plane workers beside the peers", router_bound.render),
     ("soak", "Chaos soak", soak.render),
     ("llama", "Real engines: time to first token with and without the PD split", llama.render),
 )

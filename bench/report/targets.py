@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench.report import router_bound as rb
 from bench.report.fmt import table
 from bench.report.overhead import paired_added, point
 
@@ -126,8 +127,47 @@ def _peer_names(rows: list[dict[str, Any]]) -> set[str]:
     return {r["router"] for r in rows if not r["router"].startswith("narwhal")}
 
 
+def router_bound(suites: dict[str, Any]) -> list[Verdict]:
+    """Issue 17 §4, router-bound: Narwhal with `workers: auto` against vllm-router in every
+    cell of the router_bound suite; no rows when the suite did not run."""
+    suite = suites.get("router_bound") or {}
+    name = rb.judged(suite) if suite else None
+    if name is None:
+        return []
+    cells = rb.target_cells(suite)
+    workers = suite["workers"][name]
+    n = rb.processes(suite, name)
+    who = f"Router-bound ({name}: `workers: {workers}`, {n} worker{'s' if n != 1 else ''})"
+    rps_name = (
+        f"{who}: req/s ≥ {rb.RPS_TARGET}x {rb.BASE}'s (interim {rb.RPS_INTERIM}x), every cell"
+    )
+    cpu_name = f"{who}: CPU per request ≤ {rb.CPU_TARGET}x {rb.BASE}'s, every cell"
+    if not cells:
+        return [Verdict(rps_name, "-", None), Verdict(cpu_name, "-", None)]
+
+    def each(key: str) -> str:
+        return "; ".join(f"{rb.MODES[t['stream']]} c={t['c']} {t[key]:.2f}x" for t in cells)
+
+    rps = each("rps")
+    if not all(t["rps_met"] for t in cells) and all(t["rps_interim"] for t in cells):
+        rps += f"; the interim {rb.RPS_INTERIM}x is met"
+    failed = sum(t["failed"] for t in cells)
+    if failed:
+        rps += f"; {failed} requests failed across these cells"
+    return [
+        Verdict(rps_name, rps, all(t["rps_met"] for t in cells)),
+        Verdict(cpu_name, each("cpu"), all(t["cpu_met"] for t in cells)),
+    ]
+
+
 def verdicts(suites: dict[str, Any]) -> list[Verdict]:
-    return [throughput(suites), added_latency(suites), streams(suites), *faults(suites)]
+    return [
+        throughput(suites),
+        added_latency(suites),
+        streams(suites),
+        *faults(suites),
+        *router_bound(suites),
+    ]
 
 
 def render(suites: dict[str, Any]) -> str:

@@ -13,7 +13,6 @@ does uvloop make Narwhal cheaper once the router, not the engines, is the bottle
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import PEER_KINDS, Context, router_spec
-from bench.procs import reset_peak, usage
+from bench.procs import reaped_cpu_s, reset_peak, usage
 from bench.routers import Engines, Running
 from bench.sims import SimFlags, SimFleet
 from bench.stats import median
@@ -78,20 +77,13 @@ def _parents() -> dict[int, int]:
     return out
 
 
-def _reaped_cpu_s(pid: int) -> float:
-    """CPU of the process's children that have exited and been waited for (cutime + cstime)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rindex(")") + 2 :].split()
-    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
-
-
 def tree(pid: int) -> list[int]:
     return descendants(_parents(), pid)
 
 
 def tree_usage(pid: int) -> tuple[float, int, int]:
     """(CPU s, summed VmHWM KB, processes) over the process tree rooted at `pid`."""
-    cpu, hwm, n = _reaped_cpu_s(pid), 0, 0
+    cpu, hwm, n = reaped_cpu_s(pid), 0, 0
     for p in tree(pid):
         try:
             u = usage(p)
