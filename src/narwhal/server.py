@@ -61,7 +61,7 @@ from narwhal.state.lease import Role as LeaseRole
 from narwhal.state.resume import continue_sequence, resume
 from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
-from narwhal.telemetry.metrics import Metrics
+from narwhal.telemetry.metrics import Metrics, SummedData
 from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.router")
@@ -477,8 +477,9 @@ class Router:
         bound = sup.reserve(host, port)
         await web.UnixSite(runner, sup.control_socket).start()
         sup.metrics_dir.mkdir()
-        shared = CollectorRegistry()
-        MultiProcessCollector(shared, path=str(sup.metrics_dir))  # type: ignore[no-untyped-call]
+        shared = CollectorRegistry(auto_describe=True)
+        files = MultiProcessCollector(None, path=str(sup.metrics_dir))  # type: ignore[no-untyped-call]
+        shared.register(SummedData(self.metrics.data.registry, files))
         self.metrics.render_data = lambda: generate_latest(shared)
         self.metrics.add_worker_metrics()
         running = self.metrics.workers_running

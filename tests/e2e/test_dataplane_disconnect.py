@@ -86,7 +86,7 @@ async def _assert_nothing_recorded(http: aiohttp.ClientSession, rr: RunningRoute
         timeout_s=5,
         what="in_flight back to 0",
     )
-    assert rr.router.dataplane.pool.in_use == 0, "the data connection was given back"
+    assert rr.router.data_pool_usage()[0] == 0, "the data connection was given back"
     for engine in rr.router.engines_json():
         assert all(v == 0 for v in engine["evidence"].values()), engine
         assert engine["ejected"] is False and engine["holds"] == []

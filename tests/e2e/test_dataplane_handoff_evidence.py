@@ -29,6 +29,9 @@ from tests.support.sim_process import SimFactory
 
 PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
+# Swaps the adapter in this process's data plane.
+pytestmark = pytest.mark.single_process
+
 NO_SWEEPS = {"monitor_interval_s": 30.0}  # one pass at start, then no probe during the test
 
 

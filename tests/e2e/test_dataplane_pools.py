@@ -28,6 +28,9 @@ MODEL = "demo-model"
 ITL_MS = 50
 HEALTH_TIMEOUT_S = 0.5
 
+# Exact per-process pool and socket counts: one data plane.
+pytestmark = pytest.mark.single_process
+
 
 @dataclass
 class Sims:

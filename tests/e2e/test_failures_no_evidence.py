@@ -191,6 +191,7 @@ async def test_an_engine_400_is_passed_through_and_is_not_evidence(
     await assert_clean(http, rr)
 
 
+@pytest.mark.single_process  # forces a state past the reducer, which no snapshot carries
 async def test_an_engine_500_for_a_prompt_too_long_is_the_clients_400_and_not_evidence(
     sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

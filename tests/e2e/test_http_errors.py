@@ -76,6 +76,7 @@ async def test_v1_routing_errors_are_openai_shaped(
         assert resp.headers["Allow"], "a 405 names the allowed methods"
 
 
+@pytest.mark.single_process  # patches this process's data plane
 async def test_an_unexpected_exception_on_v1_is_an_openai_shaped_500(
     rr: RunningRouter, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

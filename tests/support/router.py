@@ -69,18 +69,22 @@ def _with_test_workers(sections: dict[str, Any], router_kwargs: dict[str, Any]) 
     serving = sections.get("serving", {})
     if not workers or "workers" in serving or _IN_PROCESS_ONLY & router_kwargs.keys():
         return sections
-    return {**sections, "serving": {**serving, "workers": int(workers)}}
+    count = min(int(workers), serving.get("max_connections", int(workers)))
+    return {**sections, "serving": {**serving, "workers": count}}
 
 
 @pytest.fixture
-async def start_router(tmp_path: Path) -> AsyncIterator[StartRouter]:
+async def start_router(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[StartRouter]:
     """`await start_router(engines, **sections, router_kwargs={...})` -> RunningRouter."""
     running: list[RunningRouter] = []
 
     async def start(
         engines: list[dict[str, Any]], router_kwargs: dict[str, Any] | None = None, **sections: Any
     ) -> RunningRouter:
-        sections = _with_test_workers(sections, router_kwargs or {})
+        if request.node.get_closest_marker("single_process") is None:
+            sections = _with_test_workers(sections, router_kwargs or {})
         config = parse_config(router_config(engines, tmp_path, **sections))
         Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
         router = Router(config, **(router_kwargs or {}))

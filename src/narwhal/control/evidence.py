@@ -41,6 +41,9 @@ class EvidenceRecorder:
             for handler in self._handlers:
                 handler(effect)
 
+    async def settled(self) -> None:
+        """Outcomes are applied as they are reported: nothing to wait for."""
+
     def success(self, engine_id: str, kind: SuccessKind, leg: str) -> None:
         if not self._fleet.get(engine_id).evidence:
             return  # the hot path (every successful leg): nothing to clear, no event to send

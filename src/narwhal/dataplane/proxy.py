@@ -145,6 +145,7 @@ class DataPlane:
         try:
             response = await self._handle(endpoint, request, start)
             outcome = getattr(response, "_narwhal_outcome", "ok")
+            await self._evidence.settled()  # what this request taught is applied first
             return response
         except asyncio.CancelledError:
             # A client that leaves after its stream's `[DONE]` was served: the outcome stands.
@@ -640,6 +641,7 @@ class DataPlane:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
             self._check_recompute(attempt, producer, engine, scanner.last)
         request[_SETTLED_OUTCOME] = outcome
+        await self._evidence.settled()
         try:
             if not await _finish(request, client, b"", request_deadline):
                 outcome = "deadline"
@@ -661,6 +663,7 @@ class DataPlane:
         if not attempt.started:
             raise failure
         status, message = _status_for(failure)
+        await self._evidence.settled()
         await _finish(request, client, sse_error_event(message, "upstream_error", status), until)
         return _tag(client, "upstream_error_midstream")
 

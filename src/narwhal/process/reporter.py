@@ -2,9 +2,10 @@
 
 The control process's reducer applies them and pushes the changed engines back to every
 worker. A success is sent only when this worker's replica shows evidence to clear (the hot
-path sends nothing). After a failure, `settled()` waits (briefly) until the control process
-acknowledged it: by then the snapshot that pauses the engine is already in every worker's
-socket, so a client's next request, through any worker, sees it.
+path sends nothing). Before a request's answer is complete, `settled()` waits (briefly) until
+the control process acknowledged what was sent: by then the snapshot that pauses the engine
+(or clears its evidence) is already in every worker's socket, so the client's next request,
+through any worker, sees it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ class Reporter:
         self._fleet = fleet
         self._seq = 0
         self._acked = 0
-        self._last_failure = 0
+        self._last_sent = 0
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def failure(self, engine_id: str, failure: EngineFailure, leg: str) -> None:
         self._seq += 1
-        self._last_failure = self._seq
+        self._last_sent = self._seq
         item = ["f", engine_id, failure.failure_class.value, leg, failure.detail]
         self._channel.send("ev", seq=self._seq, item=item)
 
@@ -38,6 +39,7 @@ class Reporter:
         if not self._fleet.get(engine_id).evidence:
             return
         self._seq += 1
+        self._last_sent = self._seq
         self._channel.send("ev", seq=self._seq, item=["s", engine_id, kind.value, leg])
 
     def acked(self, upto: int) -> None:
@@ -52,8 +54,8 @@ class Reporter:
         self._waiters = still
 
     async def settled(self) -> None:
-        """Return once every failure reported so far was applied (at most 50 ms)."""
-        target = self._last_failure
+        """Return once every outcome sent so far was applied (at most 50 ms)."""
+        target = self._last_sent
         if target <= self._acked or self._channel.closed:
             return
         fut = asyncio.get_running_loop().create_future()

@@ -178,8 +178,8 @@ class Supervisor:
             for w in self.workers:
                 tg.create_task(self._watch(w))
             while True:
-                await asyncio.sleep(self._window_s / 4)
                 self._send_gate()
+                await asyncio.sleep(self._window_s / 4)
 
     async def stop(self, grace_s: float) -> None:
         """Drain: each worker stops accepting and finishes its requests within `grace_s`;
@@ -293,7 +293,7 @@ class Supervisor:
                 if n > 0:
                     self._metrics.worker_lost_requests.labels(endpoint).inc(n)
             self.table.zero(w.index)
-            self._metrics.worker_exits.labels(reason).inc()
+            self._metrics.worker_exits.labels(_exit_kind(status)).inc()
             log.warning(
                 "worker %d (pid %s) exited (%s) with %d requests in progress; restarting",
                 w.index,
@@ -328,6 +328,8 @@ class Supervisor:
             elif kind == "ready":
                 if w.ready is not None and not w.ready.done():
                     w.ready.set_result(frame["pid"])
+                if w.channel is not None:  # its spawn-time gate may have run out meanwhile
+                    w.channel.send("gate", gate=self._gate().to_json())
             elif kind == "bye":
                 w.bye = True
         except (KeyError, ValueError, TypeError) as exc:
@@ -421,6 +423,11 @@ def _someone_listens(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _exit_kind(status: int) -> str:
+    """The metric's bounded label: signal, error or clean."""
+    return "signal" if status < 0 else "error" if status else "clean"
 
 
 def _exit_reason(status: int) -> str:

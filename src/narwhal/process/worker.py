@@ -147,7 +147,6 @@ class Worker:
             middlewares=[openai_http_errors],
         )
         dataplane, table, row = self.dataplane, self.table, self.index
-        reporter = self.reporter
         header = {"X-Narwhal-Worker": str(self.index)}
 
         def endpoint(name: Any) -> Any:
@@ -156,11 +155,9 @@ class Worker:
             async def handle(request: web.Request) -> web.StreamResponse:
                 table.add(row, column, 1)  # what a crash of this worker would lose
                 try:
-                    response = await dataplane.handle(name, request)
+                    return await dataplane.handle(name, request)
                 finally:
                     table.add(row, column, -1)
-                await reporter.settled()  # a failure reached the reducer before the answer
-                return response
 
             return handle
 

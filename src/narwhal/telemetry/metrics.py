@@ -5,11 +5,13 @@ Names and labels are a contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from narwhal.telemetry.loop_lag import LAG_BUCKETS_S
 
@@ -103,6 +105,27 @@ class DataMetrics:
             registry=r,
             buckets=LAG_BUCKETS_S,
         )
+
+
+class SummedData:
+    """The data plane's families as the workers counted them (their multiprocess files,
+    summed), under this process's own names and help; a family no worker has touched yet
+    is exported empty, as one process would."""
+
+    def __init__(self, local: CollectorRegistry, workers: Collector) -> None:
+        self._local = local
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        summed = {m.name: m for m in self._workers.collect()}
+        for family in self._local.collect():
+            found = summed.get(family.name)
+            if found is None:
+                yield family
+                continue
+            out = Metric(family.name, family.documentation, family.type)
+            out.samples = found.samples
+            yield out
 
 
 class Metrics:
@@ -341,10 +364,13 @@ class Metrics:
         )
         self.worker_exits = Counter(
             "narwhal_worker_exits",
-            "Unplanned data-plane worker exits by reason (exit N, or the signal's name)",
+            "Unplanned data-plane worker exits by reason: signal (killed), error (a non-zero "
+            "exit status), clean (status 0)",
             ["reason"],
             registry=r,
         )
+        for reason in ("signal", "error", "clean"):
+            self.worker_exits.labels(reason)
         self.worker_lost_requests = Counter(
             "narwhal_worker_lost_requests",
             "Client requests in progress on a data-plane worker when it exited (failed; "
