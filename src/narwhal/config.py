@@ -160,7 +160,7 @@ class ServingConfig(_Section):
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     token_count_cache_size: int = Field(default=4096, ge=0)
     # Data-plane worker processes (DESIGN §9): an integer, or `auto` for the usable CPUs.
-    workers: PositiveInt | Literal["auto"] = 1
+    workers: PositiveInt | Literal["auto"] = "auto"
     shutdown_grace_s: PositiveFloat = 30.0
 
     @field_validator("workers", mode="before")

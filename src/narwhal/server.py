@@ -41,6 +41,7 @@ from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
 from narwhal.fleet.admission import Admission
+from narwhal.fleet.inflight import InFlight
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import ready_reason
 from narwhal.fleet.reducer import Policy
@@ -92,19 +93,11 @@ class Router:
         self.clock = clock or SystemClock()
         self._wall_offset_s = self.clock.wall() - self.clock.monotonic()
         self.metrics = Metrics()
-        # With data-plane workers (DESIGN §9) in-flight counts live in a table they share;
-        # this process only reads it. The workers start in `run`.
-        workers = config.resolved_workers()
-        self.table = (
-            WorkerTable.create(workers, [e.id for e in config.engines]) if workers > 1 else None
-        )
+        # Data-plane worker processes (DESIGN §9), started by `run`; until then (and with one
+        # process) this process's own data plane counts in-flight requests.
+        self.workers = config.resolved_workers()
         self.supervisor: Supervisor | None = None
-        self.fleet = Fleet(
-            config.engines,
-            self.clock,
-            Policy.of(config.recovery),
-            in_flight=SharedInFlight(self.table, None) if self.table is not None else None,
-        )
+        self.fleet = Fleet(config.engines, self.clock, Policy.of(config.recovery))
         watch_fleet(self.fleet, self.metrics, self.clock)
         self.admission = Admission()
         self.client = EngineClient(
@@ -412,7 +405,7 @@ class Router:
         await runner.setup()
         runtime: Path | None = None
         try:
-            if self.table is None:
+            if self.workers == 1:
                 site = web.TCPSite(runner, host, port, reuse_address=True)
                 await site.start()
                 bound = runner.addresses[0][1] if runner.addresses else port
@@ -446,6 +439,10 @@ class Router:
             self._tasks = None
             if self.supervisor is not None:
                 await self.supervisor.stop(self.config.serving.shutdown_grace_s)
+                # The workers are gone: back to this process's own counts, table released.
+                self.fleet.in_flight = InFlight(e.id for e in self.config.engines)
+                self.supervisor.table.close()
+                self.supervisor = None
             if self.ownership is not None:
                 await self.ownership.keeper.release()
                 await self.ownership.keeper.store.close()
@@ -458,12 +455,14 @@ class Router:
         self, runner: web.AppRunner, runtime: Path, host: str, port: int
     ) -> int:
         """Reserve the port, serve the admin surface on a Unix socket for the workers to
-        forward to, start the workers, and render their metrics with ours."""
-        assert self.table is not None
+        forward to, start the workers, and render their metrics with ours. In-flight counts
+        are then the sums of the workers' rows of a shared table; this process only reads."""
+        table = WorkerTable.create(self.workers, [e.id for e in self.config.engines])
+        self.fleet.in_flight = SharedInFlight(table, None)
         sup = self.supervisor = Supervisor(
             self.config,
-            self.table.rows,
-            self.table,
+            self.workers,
+            table,
             self.fleet,
             self.admission,
             lambda: self.ownership.keeper.admission_window() if self.ownership else None,

@@ -57,20 +57,30 @@ def router_config(engines: list[dict[str, Any]], tmp_path: Path, **sections: Any
 StartRouter = Callable[..., Awaitable[RunningRouter]]
 
 # Data-plane injections that only a single-process router honours (its data plane runs in
-# this process): a router built with them keeps `serving.workers` 1.
+# this process): a router built with them runs `serving.workers: 1`.
 _IN_PROCESS_ONLY = frozenset({"clock", "new_request_id"})
 
 
-def _with_test_workers(sections: dict[str, Any], router_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`NARWHAL_TEST_WORKERS=N` runs every router with N data-plane worker processes
-    (`make pytest-workers`), unless the test chose `serving.workers` or injects into the
-    data plane."""
-    workers = os.environ.get("NARWHAL_TEST_WORKERS")
+def _workers_for(
+    sections: dict[str, Any], router_kwargs: dict[str, Any], single_process: bool
+) -> dict[str, Any]:
+    """Routers run the configured default (`auto`: one worker per usable CPU), or
+    `NARWHAL_TEST_WORKERS` (a count or `auto`; `make pytest-single` sets 1), unless the test
+    chose `serving.workers`. A test that reaches into the router's own data plane (marker
+    `single_process`, or a data-plane injection) runs one process."""
     serving = sections.get("serving", {})
-    if not workers or "workers" in serving or _IN_PROCESS_ONLY & router_kwargs.keys():
+    if "workers" in serving:
         return sections
-    count = min(int(workers), serving.get("max_connections", int(workers)))
-    return {**sections, "serving": {**serving, "workers": count}}
+    if single_process or _IN_PROCESS_ONLY & router_kwargs.keys():
+        workers: int | str = 1
+    else:
+        chosen = os.environ.get("NARWHAL_TEST_WORKERS")
+        if chosen is None:
+            return sections
+        workers = chosen if chosen == "auto" else int(chosen)
+    if workers != "auto" and "max_connections" in serving:
+        workers = min(int(workers), serving["max_connections"])
+    return {**sections, "serving": {**serving, "workers": workers}}
 
 
 @pytest.fixture
@@ -83,8 +93,8 @@ async def start_router(
     async def start(
         engines: list[dict[str, Any]], router_kwargs: dict[str, Any] | None = None, **sections: Any
     ) -> RunningRouter:
-        if request.node.get_closest_marker("single_process") is None:
-            sections = _with_test_workers(sections, router_kwargs or {})
+        single = request.node.get_closest_marker("single_process") is not None
+        sections = _workers_for(sections, router_kwargs or {}, single)
         config = parse_config(router_config(engines, tmp_path, **sections))
         Path(config.handoff.path).parent.mkdir(parents=True, exist_ok=True)
         router = Router(config, **(router_kwargs or {}))

@@ -474,10 +474,10 @@ def test_sweep_ignores_a_pid_too_large_for_the_kernel(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- serving.workers
-def test_workers_default_to_one() -> None:
+def test_workers_default_to_the_usable_cpus() -> None:
     cfg = config()
-    assert cfg.serving.workers == 1
-    assert cfg.resolved_workers(usable_cpus=16) == 1
+    assert cfg.serving.workers == "auto"
+    assert cfg.resolved_workers(usable_cpus=16) == 16
 
 
 @pytest.mark.parametrize(

@@ -155,9 +155,12 @@ class Supervisor:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
-        except OSError:
+        except socket.gaierror:
             sock.close()
-            raise
+            raise  # the caller names the unresolvable host
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"listen {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
         self._reservation = sock
         self._host = host
         self.port = sock.getsockname()[1]
