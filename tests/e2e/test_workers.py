@@ -182,6 +182,31 @@ def _restarted(http: aiohttp.ClientSession, url: str) -> Any:
     return probe
 
 
+async def test_max_connections_bounds_the_router_not_each_worker(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    """As many streams as `max_connections` all run on one worker (no per-worker share);
+    one more, through the other worker, is refused as `saturated`."""
+    limit = 6
+    rr = await _start(start_router, sims, serving={"max_connections": limit})
+    stream = {**BODY, "max_tokens": 150, "stream": True}  # ~3 s at 20 ms per token
+    async with contextlib.AsyncExitStack() as stack:
+        on_0 = [await stack.enter_async_context(_pinned(rr.url, 0)) for _ in range(limit)]
+        on_1 = await stack.enter_async_context(_pinned(rr.url, 1))
+        responses = [await s.post(rr.url + "/v1/completions", json=stream) for s in on_0]
+        assert [r.status for r in responses] == [200] * limit
+        for r in responses:
+            await r.content.readline()  # every stream is running
+        assert rr.router.data_pool_usage()[0] == limit
+        async with on_1.post(rr.url + "/v1/completions", json=BODY) as r:
+            assert r.status == 503, await r.text()
+            assert "saturated" in (await r.json())["error"]["message"]
+        for r in responses:
+            assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+            r.release()
+    assert rr.router.data_pool_usage() == (0, 0)
+
+
 async def test_metrics_and_admin_read_the_same_through_every_worker(
     start_router: StartRouter, sims: list[SimProcess]
 ) -> None:

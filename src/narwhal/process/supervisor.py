@@ -130,7 +130,6 @@ class Supervisor:
         self.control_socket = str(runtime_dir / "control.sock")
         self.metrics_dir = runtime_dir / "metrics"
         self.workers = [WorkerInfo(i) for i in range(count)]
-        self._shares = shares(config.serving.max_connections, count)
         self._queue_shares = shares(config.serving.queue_limit, count)
         self.version = 0
         self._dirty: set[str] = set()
@@ -266,7 +265,6 @@ class Supervisor:
             "config": self._config.model_dump(mode="json"),
             "table_fd": self.table.fd,
             "rows": self.count,
-            "max_connections": self._shares[w.index],
             "queue_limit": self._queue_shares[w.index],
             "control_socket": self.control_socket,
             "control_pid": os.getpid(),

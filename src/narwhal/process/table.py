@@ -11,6 +11,7 @@ column `c` (the config's order).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from collections.abc import Sequence
@@ -77,3 +78,30 @@ class SharedInFlight:
 
     def of(self, engine_id: str) -> int:
         return self._table.total(self._columns[engine_id])
+
+
+class SharedBudget:
+    """The router's data connections in use, as a `Budget` of worker `row`: a unit is taken
+    under a lock on the table (the check and the increment are one step for every worker,
+    so the sum never passes `limit`); a unit is given back without one (a reader that misses
+    it refuses once, harmlessly). The lock is held for a few memory reads, never across an
+    await; the kernel drops it if its holder dies."""
+
+    def __init__(self, table: WorkerTable, row: int, limit: int) -> None:
+        self._table = table
+        self._row = row
+        self._limit = limit
+
+    def take(self) -> bool:
+        table = self._table
+        fcntl.lockf(table.fd, fcntl.LOCK_EX)
+        try:
+            if table.total(POOL_IN_USE) >= self._limit:
+                return False
+            table.add(self._row, POOL_IN_USE, 1)
+            return True
+        finally:
+            fcntl.lockf(table.fd, fcntl.LOCK_UN)
+
+    def give_back(self) -> None:
+        self._table.add(self._row, POOL_IN_USE, -1)

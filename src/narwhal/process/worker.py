@@ -45,8 +45,8 @@ from narwhal.process.gate import CONTROL_LOST, GateData, WorkerGate
 from narwhal.process.reporter import Reporter
 from narwhal.process.table import (
     ENDPOINT_COLUMN,
-    POOL_IN_USE,
     POOL_WAITING,
+    SharedBudget,
     SharedInFlight,
     WorkerTable,
 )
@@ -75,9 +75,8 @@ class Worker:
     def __init__(self, index: int, hello: Frame, channel: Channel) -> None:
         self.index = index
         config = parse_config(hello["config"])
-        # This worker's share of the router's bounds (the control process split them).
-        bounds = {"max_connections": hello["max_connections"], "queue_limit": hello["queue_limit"]}
-        serving = config.serving.model_copy(update=bounds)
+        # This worker's share of the wait queue; connections are shared (`SharedBudget`).
+        serving = config.serving.model_copy(update={"queue_limit": hello["queue_limit"]})
         self.config: Config = config.model_copy(update={"serving": serving})
         self.clock = SystemClock()
         engines = self.config.engines
@@ -89,9 +88,10 @@ class Worker:
         self.reporter = Reporter(channel, self.fleet)
         self.stats = IntervalStats(float("inf"), self.clock.monotonic())
         self.timeline = Timeline()
-        share: int = hello["max_connections"]
-        self.client = EngineClient(share, 1)
-        self.pool = Pool("data", share, on_change=self._mirror_pool)
+        limit = config.serving.max_connections
+        self.client = EngineClient(limit, 1)
+        budget = SharedBudget(self.table, index, limit)
+        self.pool = Pool("data", limit, on_change=self._mirror_waiting, shared=budget)
         from narwhal.telemetry.metrics import DataMetrics  # after the multiprocess switch
 
         self.metrics = DataMetrics()
@@ -113,10 +113,8 @@ class Worker:
         self.drain = asyncio.Event()
         self.grace_s: float = hello["grace_s"]
 
-    def _mirror_pool(self, pool: Pool) -> None:
-        row = self.index
-        table = self.table
-        table.add(row, POOL_IN_USE, pool.in_use - table.get(row, POOL_IN_USE))
+    def _mirror_waiting(self, pool: Pool) -> None:
+        row, table = self.index, self.table
         table.add(row, POOL_WAITING, pool.waiting - table.get(row, POOL_WAITING))
 
     # ---------------------------------------------------------------- frames
