@@ -82,7 +82,6 @@ class WorkerInfo:
     ready: asyncio.Future[int] | None = None
     generation: int = 0
     running: bool = False
-    bye: bool = False
     acks: list[int] = field(default_factory=list)
 
     def to_json(self, table: WorkerTable) -> dict[str, Any]:
@@ -212,7 +211,6 @@ class Supervisor:
     async def _spawn(self, w: WorkerInfo) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         w.generation += 1
-        w.bye = False
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -331,8 +329,6 @@ class Supervisor:
                     w.ready.set_result(frame["pid"])
                 if w.channel is not None:  # its spawn-time gate may have run out meanwhile
                     w.channel.send("gate", gate=self._gate().to_json())
-            elif kind == "bye":
-                w.bye = True
         except (KeyError, ValueError, TypeError) as exc:
             log.error("worker %d sent a malformed %r frame: %s", w.index, frame.get("t"), exc)
 
@@ -364,7 +360,7 @@ class Supervisor:
         self._schedule()
 
     def _schedule(self) -> None:
-        if not self._scheduled:
+        if not self._scheduled and not self._stopping:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._broadcast)
 

@@ -17,11 +17,13 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -52,6 +54,7 @@ from narwhal.process.table import (
 )
 from narwhal.telemetry import logs
 from narwhal.telemetry.loop_lag import watch_loop_lag
+from narwhal.telemetry.metrics import DataMetrics
 from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.worker")
@@ -92,9 +95,7 @@ class Worker:
         self.client = EngineClient(limit, 1)
         budget = SharedBudget(self.table, index, limit)
         self.pool = Pool("data", limit, on_change=self._mirror_waiting, shared=budget)
-        from narwhal.telemetry.metrics import DataMetrics  # after the multiprocess switch
-
-        self.metrics = DataMetrics()
+        self.metrics = DataMetrics()  # built after `_use_multiprocess_metrics`
         self.dataplane = DataPlane(
             self.config,
             self.fleet,
@@ -264,17 +265,17 @@ class Worker:
                 await runner.cleanup()
                 lag.cancel()
                 stats.cancel()
-            self.send_stats()
-            self.channel.send("bye")
+            self.send_stats()  # the last counts, before the exit closes the channel
             self.channel.flush()
         finally:
             await runner.cleanup()
             await self.client.close()
 
 
-def _request_ids(prefix: str) -> Any:
-    counter = iter(range(1, sys.maxsize))
-    return lambda: f"{prefix}-{next(counter)}"
+def _request_ids(prefix: str) -> Callable[[], str]:
+    """`<prefix>-<n>`: the prefix is drawn by the control process, one per worker start."""
+    ids = itertools.count(1)
+    return lambda: f"{prefix}-{next(ids)}"
 
 
 async def _main(channel_fd: int, index: int) -> int:
