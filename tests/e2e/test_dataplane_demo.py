@@ -1,4 +1,5 @@
-"""`narwhal-serve --demo` as a real process: it serves, and SIGINT stops it and its engines."""
+"""`narwhal-serve --demo` as a real process: it serves, and SIGINT stops it, its engines and
+its data-plane workers."""
 
 from __future__ import annotations
 
@@ -20,18 +21,19 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 
 
-def _children(pid: int) -> list[int]:
-    """Live child processes of `pid`, from /proc."""
+def _children(pid: int, module: str) -> list[int]:
+    """Live child processes of `pid` running `python -m <module>`, from /proc."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and module.encode() in argv:
             found.append(int(entry.name))
     return found
 
@@ -61,8 +63,11 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
     engines: list[int] = []
     try:
         await until_ready(url + "/ready", proc, log_path, timeout_s=START_TIMEOUT_S, what="demo")
-        engines = _children(proc.pid)
+        engines = _children(proc.pid, "narwhal.sim.cli")
         assert len(engines) == 4, "2 prefill + 2 decode narwhal-sim processes"
+        workers = _children(proc.pid, "narwhal.process.worker")
+        assert len(workers) == len(os.sched_getaffinity(0)), "workers: auto"
+        engines += workers
 
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         try:
@@ -91,7 +96,7 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
         await eventually(
             lambda: not any(_alive(pid) for pid in engines),
             timeout_s=5,
-            what="demo engines stopped",
+            what="demo engines and workers stopped",
         )
     finally:
         for pid in [proc.pid, *engines]:

@@ -318,10 +318,13 @@ GATE_CASES = [
     ("lost", gate(), 100.0, True, False, CONTROL_LOST),
     ("lost-beats-draining", gate(), 100.0, True, True, CONTROL_LOST),
     ("stale-at-valid-until", gate(), 120.0, False, False, CONTROL_LOST),
-    ("stale-beats-draining", gate(OPEN, MONITOR), 121.0, False, True, CONTROL_LOST),
+    ("stale-beats-draining", gate(None, MONITOR), 121.0, False, True, CONTROL_LOST),
+    ("lease-beats-stale", gate(OPEN, MONITOR), 121.0, False, False, FENCED_LINE),
+    ("lease-beats-lost", gate(OPEN), 111.0, True, False, FENCED_LINE),
     ("fresh-just-before", gate(), 119.99, False, False, None),
-    ("draining-beats-lease", gate(AdmissionWindow("fenced: lease lost", None, 0.0)), 100.0,
-     False, True, DRAINING),
+    ("lease-beats-draining", gate(AdmissionWindow("fenced: lease lost", None, 0.0)), 100.0,
+     False, True, "fenced: lease lost"),
+    ("draining-beats-monitor", gate(OPEN, MONITOR), 100.0, False, True, DRAINING),
     ("static-lease", gate(AdmissionWindow("standby: lease held by b", None, 0.0), MONITOR),
      100.0, False, False, "standby: lease held by b"),
     ("fence-at-reached", gate(OPEN, MONITOR), 110.0, False, False, FENCED_LINE),
@@ -367,8 +370,9 @@ P, D = Role.PREFILL, Role.DECODE
 READY_CASES = [
     ("no-data", None, False, False, [P], [D], CONTROL_LOST),
     ("lost", gate(), True, False, [], [], CONTROL_LOST),
-    ("draining", gate(AdmissionWindow("standby: x", None, 0.0), MONITOR), False, True, [P], [D],
-     DRAINING),
+    ("draining", gate(OPEN, MONITOR), False, True, [P], [D], DRAINING),
+    ("lease-before-draining", gate(AdmissionWindow("standby: x", None, 0.0), MONITOR), False,
+     True, [P], [D], "standby: x"),
     ("lease-first", gate(AdmissionWindow("standby: x", None, 0.0), MONITOR), False, False, [P],
      [D], "standby: x"),
     ("monitor-next", gate(OPEN, MONITOR), False, False, [P], [D], MONITOR),
@@ -405,7 +409,9 @@ def test_worker_gate_follows_its_clock() -> None:
     clock.advance(15.0)  # 110: the lease's local expiry, with no word from the control process
     assert worker.closed_reason() == FENCED_LINE
     assert worker.ready([], []) == FENCED_LINE
-    clock.advance(10.0)  # 120: the control process's last word runs out
+    clock.advance(10.0)  # 120: the control process's last word runs out; the lease stays lost
+    assert worker.closed_reason() == FENCED_LINE
+    worker.data = gate(AdmissionWindow(None, 130.0, 90.0))  # a lease still valid at 120
     assert worker.closed_reason() == CONTROL_LOST
     assert worker.ready([], []) == CONTROL_LOST
 

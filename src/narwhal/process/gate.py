@@ -44,14 +44,19 @@ class GateData:
 
 
 def closed_reason_at(data: GateData | None, now: float, lost: bool, draining: bool) -> str | None:
-    """Why new requests are refused at `now`, by the control process's precedence (lease,
-    then monitor), after the worker's own: control lost, then draining. Pure."""
-    if lost or data is None or now >= data.valid_until:
+    """Why new requests are refused at `now`: the lease first (a lease judged lost from the
+    control process's last word is lost, whatever happened to that process since), then a
+    lost control process, draining, and the monitor. Pure."""
+    if data is None:
+        return CONTROL_LOST
+    lease = lease_reason_at(data.lease, now) if data.lease is not None else None
+    if lease is not None:
+        return lease
+    if lost or now >= data.valid_until:
         return CONTROL_LOST
     if draining:
         return DRAINING
-    lease = lease_reason_at(data.lease, now) if data.lease is not None else None
-    return lease or data.monitor
+    return data.monitor
 
 
 class WorkerGate:
@@ -69,9 +74,7 @@ class WorkerGate:
     def ready(
         self, roles_without_capacity: Sequence[Role], roles_unverified: Sequence[Role]
     ) -> str | None:
-        now = self._clock.monotonic()
-        own = closed_reason_at(self.data, now, self.lost, self.draining)
-        if own in (CONTROL_LOST, DRAINING) or self.data is None:
-            return own
-        lease = lease_reason_at(self.data.lease, now) if self.data.lease is not None else None
-        return ready_reason(lease, self.data.monitor, roles_without_capacity, roles_unverified)
+        closed = closed_reason_at(self.data, self._clock.monotonic(), self.lost, self.draining)
+        if closed is not None and (self.data is None or closed != self.data.monitor):
+            return closed  # the lease, a lost control process or draining: before the rest
+        return ready_reason(None, closed, roles_without_capacity, roles_unverified)
