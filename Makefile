@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-real test lint typecheck pytest test-fast clean system-deps bench bench-quick soak
+.PHONY: demo demo-real test lint typecheck pytest pytest-single test-fast clean system-deps bench bench-quick soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,12 @@ system-deps:
 pytest: $(STAMP) system-deps
 	$(BIN)/pytest -q
 
-test: lint typecheck pytest
+# The data-plane and failure scenarios again with one process (the default is a control process
+# and one worker per CPU): both modes stay covered (docs/testing.md, "Workers in the tests").
+pytest-single: $(STAMP) system-deps
+	NARWHAL_TEST_WORKERS=1 $(BIN)/pytest -q -m 'not llama' tests/e2e/test_dataplane_*.py tests/e2e/test_failures_*.py
+
+test: lint typecheck pytest pytest-single
 
 # Local loop: skips the slow end-to-end scenarios (CI runs everything).
 test-fast: $(STAMP) system-deps
