@@ -171,3 +171,43 @@ async def _drain(stream: asyncio.StreamReader, log: Path) -> None:
     with log.open("ab") as out:
         while chunk := await stream.read(65536):
             out.write(chunk)
+
+
+def descendants(parent_of: Mapping[int, int], root: int) -> list[int]:
+    """`root` and every process below it, given each process's parent (pid -> ppid)."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += sorted(children.get(pid, ()), reverse=True)
+    return out
+
+
+def _parents() -> dict[int, int]:
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        out[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+    return out
+
+
+def tree(pid: int) -> list[int]:
+    return descendants(_parents(), pid)
+
+
+def tree_usage(pid: int) -> tuple[float, int, int]:
+    """(CPU s, summed VmHWM KB, processes) over the process tree rooted at `pid`."""
+    cpu, hwm, n = reaped_cpu_s(pid), 0, 0
+    for p in tree(pid):
+        try:
+            u = usage(p)
+        except (OSError, ValueError):
+            continue  # gone in the meantime
+        cpu, hwm, n = cpu + u.cpu_s, hwm + u.hwm_kb, n + 1
+    return cpu, hwm, n

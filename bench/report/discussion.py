@@ -146,15 +146,17 @@ def _why_streams(s: dict[str, Any]) -> str:
     direct = rows.get("direct", {}).get("gap_ms", {}).get("p99")
     versus = f" vs {direct:.0f} ms direct" if direct else ""
     load = (
-        f"so the event loop is busy about {needed / capacity:.0%} of the time and a stream's "
-        f"events wait behind the others' (gap p99 {n['gap_ms'].get('p99', 0):.0f} ms{versus})"
+        f"so the router is busy about {needed / capacity:.0%} of one core's time and a "
+        f"stream's events wait behind the others' (gap p99 {n['gap_ms'].get('p99', 0):.0f} ms"
+        f"{versus})"
     )
     return (
-        f"Many streams: Narwhal forwards every chunk on one event loop, at "
-        f"{n['cpu_us_per_chunk']:.0f} µs of CPU per chunk, so one core carries at most about "
+        f"Many streams: Narwhal spends {n['cpu_us_per_chunk']:.0f} µs of CPU per chunk over all "
+        f"its processes (with `serving.workers: auto` a control process and one data-plane "
+        f"worker per core, each on its own event loop), so one core carries at most about "
         f"{capacity:,.0f} chunks/s; {s['streams']} streams at {s['itl_ms']:.0f} ms need "
-        f"{needed:,.0f}/s, {load}. The Rust peers spread the "
-        "same work over both cores. Memory: each open stream holds an "
+        f"{needed:,.0f}/s, {load}. The Rust peers also spread the "
+        "work over both cores. Memory: each open stream holds an "
         "aiohttp server request and `StreamResponse`, an upstream `ClientResponse` with its "
         "`StreamReader` and buffers, the handler task and its coroutine frames; "
         f"{n['memory_per_stream_kb'] or 0:.0f} KB per stream here against the target's 20 KB "

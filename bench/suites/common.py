@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.context import CLIENT_GRACE_S, REQUEST_TIMEOUT_S, Context, router_spec
 from bench.loadgen.spec import RunResult, RunSpec
-from bench.procs import reset_peak
+from bench.procs import reset_peak, tree, tree_usage
 from bench.routers import Engines, Running, start_router
 from bench.sims import SimFlags, SimFleet
 from bench.tap_client import Tap
@@ -129,8 +129,11 @@ async def measure(ctx: Context, router: Running, spec: RunSpec) -> Measured:
     proc = router.proc
     if proc is None:
         return Measured(await ctx.loadgen.run(spec), math.nan, 0, 0)
-    reset_peak(proc.pid)
-    before = proc.usage()
+    # Every process of the router: Narwhal's data-plane workers are children of the process
+    # started (the peers are one process, so this is the same for them).
+    for pid in tree(proc.pid):
+        reset_peak(pid)
+    cpu_before, rss_before, _ = tree_usage(proc.pid)
     result = await ctx.loadgen.run(spec)
-    after = proc.usage()
-    return Measured(result, after.cpu_s - before.cpu_s, after.hwm_kb, before.rss_kb)
+    cpu_after, hwm_after, _ = tree_usage(proc.pid)
+    return Measured(result, cpu_after - cpu_before, hwm_after, rss_before)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.context import PEER_KINDS, Context, router_spec
-from bench.procs import reaped_cpu_s, reset_peak, usage
+from bench.procs import reset_peak, tree, tree_usage, usage
 from bench.routers import Engines, Running
 from bench.sims import SimFlags, SimFleet
 from bench.stats import median
@@ -51,46 +50,6 @@ STACKS = {
     "vllm-router": "Rust (tokio)",
     "sglang-router": "Rust (tokio)",
 }
-
-
-def descendants(parent_of: Mapping[int, int], root: int) -> list[int]:
-    """`root` and every process below it, given each process's parent (pid -> ppid)."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent_of.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += sorted(children.get(pid, ()), reverse=True)
-    return out
-
-
-def _parents() -> dict[int, int]:
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        out[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
-    return out
-
-
-def tree(pid: int) -> list[int]:
-    return descendants(_parents(), pid)
-
-
-def tree_usage(pid: int) -> tuple[float, int, int]:
-    """(CPU s, summed VmHWM KB, processes) over the process tree rooted at `pid`."""
-    cpu, hwm, n = reaped_cpu_s(pid), 0, 0
-    for p in tree(pid):
-        try:
-            u = usage(p)
-        except (OSError, ValueError):
-            continue  # gone in the meantime
-        cpu, hwm, n = cpu + u.cpu_s, hwm + u.hwm_kb, n + 1
-    return cpu, hwm, n
 
 
 def loop_of(pid: int) -> str:

@@ -28,12 +28,11 @@ import aiohttp
 
 from bench import web
 from bench.context import Context
-from bench.procs import reaped_cpu_s, usage
+from bench.procs import reaped_cpu_s, tree, usage
 from bench.routers import Engines, Running
 from bench.sims import SimFlags, SimFleet
 from bench.stats import median
 from bench.suites.common import run_spec, start_routers
-from bench.suites.floor_ab import tree
 
 FLAGS = SimFlags(itl_ms=0.0, ttft_per_token_ms=0.0)
 MAX_TOKENS = 8

@@ -73,7 +73,10 @@ async def _attribute(ctx: Context, engines: Engines) -> dict[str, Any]:
     """Where an open stream's memory goes: Narwhal under tracemalloc (bench.traced), one
     snapshot when idle and one with the streams open, the difference grouped by module."""
     where = ctx.work / "snapshots"
-    spec = replace(router_spec("narwhal"), narwhal=NARWHAL, snapshots=where)
+    # One process: tracemalloc sees the process it is signalled in, and a worker's streams
+    # hold the same objects as the single process's.
+    one = {"serving": {**NARWHAL["serving"], "workers": 1}}
+    spec = replace(router_spec("narwhal"), narwhal=one, snapshots=where)
     router = await start_router(spec, engines, ctx.work, ctx.venv, REQUEST_TIMEOUT_S)
     try:
         idle = await _snapshot(router, where, 0)

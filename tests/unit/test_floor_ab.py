@@ -7,8 +7,8 @@ import math
 import os
 
 from bench import floor_granian
+from bench.procs import descendants, tree_usage
 from bench.report.floor_ab import gain
-from bench.suites.floor_ab import descendants, tree_usage
 
 from narwhal.engine.vllm import PREFILL_KV_PARAMS
 
