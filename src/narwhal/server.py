@@ -411,13 +411,11 @@ class Router:
                 bound = runner.addresses[0][1] if runner.addresses else port
             else:
                 runtime = await asyncio.to_thread(_runtime_dir)
-                bound = await self._start_workers(runner, runtime, host, port)
+                bound = await self._prepare_workers(runner, runtime, host, port)
             log.info("narwhal listening on http://%s:%s", host, bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
                 tg.create_task(watch_loop_lag(self.metrics.loop_lag))
-                if self.supervisor is not None:
-                    tg.create_task(self.supervisor.run())
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:
@@ -428,6 +426,11 @@ class Router:
                     # until it ends /ready says `starting`, never routing to an unverified
                     # engine (docs/monitor.md#engine-verification).
                     await self.health.startup_sweep(self.clock.monotonic())
+                if self.supervisor is not None:
+                    # The workers listen once the sweep is done: their first snapshot holds
+                    # the verified engines, as a single process answers only after it.
+                    await self.supervisor.start()
+                    tg.create_task(self.supervisor.run())
                 if on_ready is not None:
                     on_ready(bound)
                 tg.create_task(
@@ -451,11 +454,11 @@ class Router:
             if runtime is not None:
                 await asyncio.to_thread(shutil.rmtree, runtime, True)
 
-    async def _start_workers(
+    async def _prepare_workers(
         self, runner: web.AppRunner, runtime: Path, host: str, port: int
     ) -> int:
         """Reserve the port, serve the admin surface on a Unix socket for the workers to
-        forward to, start the workers, and render their metrics with ours. In-flight counts
+        forward to, and render their metrics with ours; `run` starts them. In-flight counts
         are then the sums of the workers' rows of a shared table; this process only reads."""
         table = WorkerTable.create(self.workers, [e.id for e in self.config.engines])
         self.fleet.in_flight = SharedInFlight(table, None)
@@ -484,7 +487,6 @@ class Router:
         running = self.metrics.workers_running
         running.labels("running").set_function(lambda: sum(w.running for w in sup.workers))
         running.labels("restarting").set_function(lambda: sum(not w.running for w in sup.workers))
-        await sup.start()
         return bound
 
 

@@ -22,7 +22,6 @@ from narwhal.clock import FakeClock
 from narwhal.config import parse_config
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
 from narwhal.fleet.store import Fleet
-from narwhal.process import reporter as reporter_module
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.reporter import Reporter
 from tests.support.fleet import force_state
@@ -263,7 +262,7 @@ async def link() -> AsyncIterator[Link]:
     inbox = Inbox()
     control = await Channel.open(b, inbox.on_frame, inbox.on_lost)
     fleet = Fleet(ENGINES, FakeClock())
-    yield Link(worker, control, inbox, fleet, Reporter(worker, fleet))
+    yield Link(worker, control, inbox, fleet, Reporter(worker, fleet, settle_s=0.05))
     worker.close()
     control.close()
 
@@ -328,20 +327,18 @@ async def test_settled_returns_at_once_when_the_channel_is_closed(link: Link) ->
     assert completes_at_once(link.reporter)
 
 
-async def test_settled_waits_for_the_ack_of_the_last_failure(
-    link: Link, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(reporter_module, "SETTLE_TIMEOUT_S", 3600.0)  # only an ack ends it
-    link.reporter.failure("p0", slow(), "prefill")
-    link.reporter.failure("d0", slow(), "decode")
-    settled = asyncio.create_task(link.reporter.settled())
+async def test_settled_waits_for_the_ack_of_the_last_failure(link: Link) -> None:
+    reporter = link.reporter = Reporter(link.worker, link.fleet, settle_s=3600.0)  # only an ack
+    reporter.failure("p0", slow(), "prefill")
+    reporter.failure("d0", slow(), "decode")
+    settled = asyncio.create_task(reporter.settled())
     await link.inbox.wait_for(2)
-    link.reporter.acked(1)  # the first failure only
+    reporter.acked(1)  # the first failure only
     # One more frame through the socket: the waiting task has had turns enough to run.
     link.worker.send("probe")
     await link.inbox.wait_for(3)
     assert not settled.done()
-    link.reporter.acked(2)
+    reporter.acked(2)
     async with asyncio.timeout(TIMEOUT_S):
         await settled
 

@@ -17,11 +17,12 @@ from narwhal.engine.failures import EngineFailure, SuccessKind
 from narwhal.fleet.store import Fleet
 from narwhal.process.channel import Channel
 
-SETTLE_TIMEOUT_S = 0.05
-
 
 class Reporter:
-    def __init__(self, channel: Channel, fleet: Fleet) -> None:
+    def __init__(self, channel: Channel, fleet: Fleet, settle_s: float) -> None:
+        """`settle_s`: the longest wait for an acknowledgement, the control process's window
+        (a control process quiet for longer is lost, and admission closes anyway)."""
+        self._settle_s = settle_s
         self._channel = channel
         self._fleet = fleet
         self._seq = 0
@@ -54,12 +55,12 @@ class Reporter:
         self._waiters = still
 
     async def settled(self) -> None:
-        """Return once every outcome sent so far was applied (at most 50 ms)."""
+        """Return once every outcome sent so far was applied (at most `settle_s`)."""
         target = self._last_sent
         if target <= self._acked or self._channel.closed:
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((target, fut))
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(SETTLE_TIMEOUT_S):
+            async with asyncio.timeout(self._settle_s):
                 await fut

@@ -267,6 +267,7 @@ class Supervisor:
             "control_socket": self.control_socket,
             "control_pid": os.getpid(),
             "grace_s": self._config.serving.shutdown_grace_s,
+            "settle_s": self._window_s,
             "log": [logging.getLevelName(root.level).lower(), "json" if json_logs else "text"],
             "metrics_id": f"w{w.index}-{os.getpid()}-{w.generation}",
             "request_prefix": f"narwhal-{uuid.uuid4().hex[:16]}",

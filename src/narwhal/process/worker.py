@@ -88,7 +88,7 @@ class Worker:
         self.fleet = FleetReplica(engines, self.clock, in_flight=SharedInFlight(self.table, index))
         self.gate = WorkerGate(self.clock)
         self.channel = channel
-        self.reporter = Reporter(channel, self.fleet)
+        self.reporter = Reporter(channel, self.fleet, hello["settle_s"])
         self.stats = IntervalStats(float("inf"), self.clock.monotonic())
         self.timeline = Timeline()
         limit = config.serving.max_connections
