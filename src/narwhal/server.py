@@ -427,8 +427,8 @@ class Router:
                     # engine (docs/monitor.md#engine-verification).
                     await self.health.startup_sweep(self.clock.monotonic())
                 if self.supervisor is not None:
-                    # The workers listen once the sweep is done: their first snapshot holds
-                    # the verified engines, as a single process answers only after it.
+                    # The workers listen once the sweep is done, so their first snapshot
+                    # holds the engines it verified (the port was reserved before it).
                     await self.supervisor.start()
                     tg.create_task(self.supervisor.run())
                 if on_ready is not None:
