@@ -2,18 +2,20 @@
 (DESIGN §9), real `narwhal-sim` engines, real faults.
 
 What is checked: a failure seen by one worker pauses the engine for the other before the
-client has its answer; a crashed worker is restarted, its requests counted as lost and
-nothing charged to an engine; `/metrics` and `/admin` read the same through either worker;
-an operator drain holds on every worker; killing the control process closes the port within
-1 s and leaves no worker; a stopped control process makes the workers refuse with
-`control process lost`; SIGTERM lets a running stream finish. Which worker a connection
-reached is read from `/health`'s `X-Narwhal-Worker` on a one-connection session.
+client has its answer; placement rotates across the workers as one router's; a crashed
+worker is restarted, its requests counted as lost and nothing charged to an engine;
+`/metrics` and `/admin` read the same through either worker; an operator drain holds on
+every worker; killing the control process closes the port within 1 s and leaves no worker;
+a stopped control process makes the workers refuse with `control process lost`; SIGTERM
+lets a running stream finish. Which worker a connection reached is read from `/health`'s
+`X-Narwhal-Worker` on a one-connection session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -134,6 +136,25 @@ async def test_a_failure_seen_by_one_worker_pauses_the_engine_for_the_other(
             p0.clear_faults()
     engines = {e["id"]: e for e in rr.router.engines_json()}
     assert engines["p0"]["ejected"] and not engines["p0"]["eligible"]
+
+
+async def test_placement_rotates_across_workers_as_one_router(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    """Requests alternating between the workers alternate between the prefill engines: the
+    rotation is the router's, not each worker's (two rotations would give p0 p0 p1 p1)."""
+    p0, p1 = sims[0], sims[1]
+    rr = await _start(start_router, sims)
+    async with _pinned(rr.url, 0) as a, _pinned(rr.url, 1) as b:
+        picks = []
+        for session in (a, b, a, b, a, b):
+            before = len(_client_requests(p0)), len(_client_requests(p1))
+            async with session.post(rr.url + "/v1/completions", json=BODY) as r:
+                assert r.status == 200, await r.text()
+            after = len(_client_requests(p0)), len(_client_requests(p1))
+            picks.append("p0" if after[0] > before[0] else "p1")
+            assert sum(after) - sum(before) == 1
+    assert all(x != y for x, y in itertools.pairwise(picks)), picks
 
 
 async def test_a_crashed_worker_is_restarted_and_its_requests_count_as_lost(

@@ -31,14 +31,16 @@ from hypothesis import strategies as st
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, ConfigError, EngineConfig, Role, parse_config
+from narwhal.dataplane.placement import least_in_flight
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.codec import decode, encode
 from narwhal.fleet.events import HealthOk
 from narwhal.fleet.holds import Hold, HoldName
+from narwhal.fleet.inflight import Choose, InFlight
 from narwhal.fleet.intervals import Histogram, IntervalStats
 from narwhal.fleet.readiness import starting_reason
 from narwhal.fleet.replica import FleetReplica
-from narwhal.fleet.state import Ejection, EngineState
+from narwhal.fleet.state import Candidate, Ejection, EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.process.gate import (
     CONTROL_LOST,
@@ -284,6 +286,93 @@ def test_shared_in_flight_writes_its_row_and_reads_every_row() -> None:
         with pytest.raises(AssertionError):
             control.leave("d0")
         assert control.of("d0") == 2
+    finally:
+        table.close()
+
+
+def _least_of(counts: SharedInFlight | InFlight, ids: Sequence[str]) -> Choose:
+    return lambda turn: least_in_flight([Candidate(e, counts.of(e)) for e in ids], turn)
+
+
+def test_a_claim_in_one_worker_is_seen_by_the_next_claim_in_another() -> None:
+    """Two workers placing at once land on different engines, and the rotation is the
+    router's: alternate workers alternate engines, as one process would."""
+    table = WorkerTable.create(2, IDS)
+    try:
+        w0, w1 = SharedInFlight(table, 0), SharedInFlight(table, 1)
+        pair = ["b0", "p0"]
+        assert w0.claim("prefill", _least_of(w0, pair)) == "b0"
+        assert w1.claim("prefill", _least_of(w1, pair)) == "p0"  # b0 is w0's, in flight
+        w0.leave("b0")
+        w1.leave("p0")
+        picks = []
+        for worker in (w0, w1, w0, w1):
+            engine_id = worker.claim("prefill", _least_of(worker, pair))
+            assert engine_id is not None
+            picks.append(engine_id)
+            worker.leave(engine_id)
+        assert picks == ["b0", "p0", "b0", "p0"]
+        assert w0.claim("decode", _least_of(w0, pair)) == "b0"  # each role its own turn
+        assert w0.claim("both", lambda turn: None) is None
+        assert table.get(0, table.columns["b0"]) == 1
+    finally:
+        table.close()
+
+
+def test_in_process_claims_rotate_per_role() -> None:
+    counts = InFlight(IDS)
+    pair = ["b0", "p0"]
+    picks = []
+    for _ in range(3):
+        engine_id = counts.claim("prefill", _least_of(counts, pair))
+        assert engine_id is not None
+        picks.append(engine_id)
+        counts.leave(engine_id)
+    assert picks == ["b0", "p0", "b0"]
+    assert counts.claim("decode", _least_of(counts, pair)) == "b0"
+    assert counts.of("b0") == 1
+
+
+def _claim_many(fd: int, row: int, n: int, out: Path) -> None:
+    """Claim `n` times (never leaving), and write down every turn handed out."""
+    table = WorkerTable(fd, 2, IDS)
+    counts = SharedInFlight(table, row)
+    turns = []
+    least = _least_of(counts, IDS)
+
+    def choose(turn: int) -> str | None:
+        turns.append(turn)
+        return least(turn)
+
+    for _ in range(n):
+        counts.claim("decode", choose)
+    out.write_text(" ".join(map(str, turns)))
+
+
+def test_claims_from_two_processes_at_once_are_one_step_each(tmp_path: Path) -> None:
+    """Two processes claim as fast as they can: every turn is handed out exactly once (a
+    claim's read and write are one step), and the counts stay balanced."""
+    table = WorkerTable.create(2, IDS)
+    n = 20_000
+    pids = []
+    try:
+        for row in (0, 1):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 1
+                try:
+                    _claim_many(table.fd, row, n, tmp_path / f"turns{row}")
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        for pid in pids:
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        turns = [int(t) for row in (0, 1) for t in (tmp_path / f"turns{row}").read_text().split()]
+        assert sorted(turns) == list(range(2 * n))
+        totals = [SharedInFlight(table, None).of(e) for e in IDS]
+        assert sum(totals) == 2 * n
+        assert max(totals) - min(totals) <= 1, totals
     finally:
         table.close()
 

@@ -131,7 +131,6 @@ class DataPlane:
         self._timeline = timeline or Timeline()
         self.pool = pool or Pool("data", config.serving.max_connections)
         self._tokens = TokenBudget(config.serving.token_count_cache_size)
-        self._rotation: dict[Role, int] = {}
         self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
         self._requests = Children(metrics.requests)
         self._latency = Children(metrics.total_latency)
@@ -296,24 +295,28 @@ class DataPlane:
         self._token_checks(result.verdict.value).inc()
 
     # ---------------------------------------------------------------- one attempt
-    def _place(self, role: Role, tried: set[str]) -> EngineState:
-        candidates = self._fleet.candidates(role, self._clock.monotonic())
-        turn = self._rotation[role] = self._rotation.get(role, -1) + 1
-        engine_id = least_in_flight(candidates, turn, exclude=tried)
-        if engine_id is None:
-            engine_id = least_in_flight(candidates, turn)
+    @contextmanager
+    def _placed(self, role: Role, tried: set[str]) -> Iterator[EngineState]:
+        """An engine for `role`, in flight there until the block ends. Engines not yet
+        `tried` by this request come first; the pick and its count are one step for every
+        worker (`InFlightCounts.claim`)."""
+        now = self._clock.monotonic()
+
+        def choose(turn: int) -> str | None:
+            candidates = self._fleet.candidates(role, now)
+            return least_in_flight(candidates, turn, exclude=tried) or least_in_flight(
+                candidates, turn
+            )
+
+        counts = self._in_flight_counts
+        engine_id = counts.claim(role.value, choose)
         if engine_id is None:
             raise NoCapacity(role, not self._fleet.has_verified(role))
-        return self._fleet.get(engine_id)
-
-    @contextmanager
-    def _in_flight(self, engine: EngineState) -> Iterator[None]:
-        counts = self._in_flight_counts
-        counts.enter(engine.id)
+        tried.add(engine_id)
         try:
-            yield
+            yield self._fleet.get(engine_id)
         finally:
-            counts.leave(engine.id)
+            counts.leave(engine_id)
 
     def _fail(self, engine: EngineState, leg: str, failure: EngineFailure) -> EngineFailure:
         self._leg_outcomes(engine.id, leg, failure.failure_class.value).inc()
@@ -350,13 +353,12 @@ class DataPlane:
     ) -> web.StreamResponse:
         roles = self._fleet.needed_roles()
         if roles == (Role.BOTH,):
-            engine = self._place(Role.BOTH, tried)
-            tried.add(engine.id)
-            body = self._adapters(engine.config).unified_body(req.body)
-            headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
-            return await self._final_leg(
-                req, request, deadline, attempt, engine, body, headers, "unified"
-            )
+            with self._placed(Role.BOTH, tried) as engine:
+                body = self._adapters(engine.config).unified_body(req.body)
+                headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+                return await self._final_leg(
+                    req, request, deadline, attempt, engine, body, headers, "unified"
+                )
         now = self._clock.monotonic()
         # Never spend a prefill whose KV nobody can read; /ready's precedence (readiness.py):
         # a role not yet verified (starting) before a role without capacity.
@@ -364,15 +366,15 @@ class DataPlane:
         if missing:
             starting = [r for r in missing if not self._fleet.has_verified(r)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
-        prefill = self._place(Role.PREFILL, tried)
-        tried.add(prefill.id)
-        handoff = await self._prefill_leg(req, deadline, attempt, prefill)
+        with self._placed(Role.PREFILL, tried) as prefill:
+            handoff = await self._prefill_leg(req, deadline, attempt, prefill)
         if isinstance(handoff, web.StreamResponse):
             return handoff
         try:
-            decode = self._place(Role.DECODE, tried)
-            tried.add(decode.id)
-            return await self._decode_leg(req, request, deadline, attempt, prefill, decode, handoff)
+            with self._placed(Role.DECODE, tried) as decode:
+                return await self._decode_leg(
+                    req, request, deadline, attempt, prefill, decode, handoff
+                )
         finally:
             # Where only the decode can judge the handoff, the prefill's success (which clears
             # kv_handoff evidence) counts once the decode did not refuse it or recompute the
@@ -394,20 +396,19 @@ class DataPlane:
         limit = min(self._serving.first_token_timeout_s, remaining)
         self._stats.request(engine.id)
         leg_start = time.perf_counter()
-        with self._in_flight(engine):
-            try:
-                reply = await self._adapters(engine.config).prefill(
-                    PoolKind.DATA,
-                    engine.config,
-                    req.endpoint,
-                    req.body,
-                    engine_headers(self._api_keys[engine.id], attempt.request_id),
-                    limit,
-                )
-            except EngineFailure as exc:
-                raise self._fail(engine, "prefill", exc) from None
-            except SlotsBusy as exc:
-                raise Saturated(str(exc)) from None
+        try:
+            reply = await self._adapters(engine.config).prefill(
+                PoolKind.DATA,
+                engine.config,
+                req.endpoint,
+                req.body,
+                engine_headers(self._api_keys[engine.id], attempt.request_id),
+                limit,
+            )
+        except EngineFailure as exc:
+            raise self._fail(engine, "prefill", exc) from None
+        except SlotsBusy as exc:
+            raise Saturated(str(exc)) from None
         if reply.status != 200:
             raise self._status_failure(
                 engine, "prefill", reply.status, reply.body, reply.content_type
@@ -477,30 +478,29 @@ class DataPlane:
         """The leg whose answer goes to the client; `producer` made the handoff it used."""
         url = engine.config.url + PATHS[req.endpoint]
         self._stats.request(engine.id)
-        with self._in_flight(engine):
-            if not req.stream:
-                remaining = deadline - self._clock.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceeded()
-                leg_start = time.perf_counter()
-                try:
-                    data = orjson.dumps(body)
-                    reply = await self._client.post(PoolKind.DATA, url, data, headers, remaining)
-                except EngineFailure as exc:
-                    raise self._fail(engine, leg, exc) from None
-                if reply.status != 200:
-                    raise self._status_failure(
-                        engine, leg, reply.status, reply.body, reply.content_type
-                    )
-                # The answer is the leg's first byte, as a stream's first chunk is: the same
-                # latency sample (drift compares engines of a role on it).
-                self._stats.latency(engine.id, time.perf_counter() - leg_start)
-                self._succeed(engine, leg, SuccessKind.DECODE_DONE)
-                self._check_recompute(attempt, producer, engine, reply.body)
-                return web.Response(body=reply.body, content_type=reply.content_type)
-            return await self._stream(
-                request, deadline, attempt, engine, url, body, headers, leg, producer
-            )
+        if not req.stream:
+            remaining = deadline - self._clock.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded()
+            leg_start = time.perf_counter()
+            try:
+                data = orjson.dumps(body)
+                reply = await self._client.post(PoolKind.DATA, url, data, headers, remaining)
+            except EngineFailure as exc:
+                raise self._fail(engine, leg, exc) from None
+            if reply.status != 200:
+                raise self._status_failure(
+                    engine, leg, reply.status, reply.body, reply.content_type
+                )
+            # The answer is the leg's first byte, as a stream's first chunk is: the same
+            # latency sample (drift compares engines of a role on it).
+            self._stats.latency(engine.id, time.perf_counter() - leg_start)
+            self._succeed(engine, leg, SuccessKind.DECODE_DONE)
+            self._check_recompute(attempt, producer, engine, reply.body)
+            return web.Response(body=reply.body, content_type=reply.content_type)
+        return await self._stream(
+            request, deadline, attempt, engine, url, body, headers, leg, producer
+        )
 
     def _check_recompute(
         self,

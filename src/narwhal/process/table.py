@@ -5,8 +5,12 @@ owner writes it; an aligned 8-byte store is never torn, and readers sum the rows
 is at most one update behind, which placement and drain settling tolerate.
 
 Row layout: `[0]` completions and `[1]` chat requests in progress (what a crash loses),
-`[2]` data connections in use, `[3]` requests waiting for one, `[4 + c]` in flight on engine
-column `c` (the config's order).
+`[2]` data connections in use, `[3]` requests waiting for one, `[4..6]` placements made per
+role (their sum over rows is the router's rotation), `[7 + c]` in flight on engine column `c`
+(the config's order).
+
+Two steps take the table's lock (`lockf`, dropped by the kernel if its holder dies), each for
+a few memory reads and never across an await: taking a data connection, and placing a leg.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from narwhal.fleet.inflight import Choose
 
 COMPLETIONS, CHAT, POOL_IN_USE, POOL_WAITING = 0, 1, 2, 3
-_FIXED = 4
+TURN_COLUMN = {"prefill": 4, "decode": 5, "both": 6}
+_FIXED = 7
 ENDPOINT_COLUMN = {"completions": COMPLETIONS, "chat": CHAT}
 
 
@@ -54,6 +62,15 @@ class WorkerTable:
         for i in range(self.width):
             self._words[base + i] = 0
 
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive against every other process's `locked` on this table."""
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
         self._words.release()
         self._map.close()
@@ -67,6 +84,19 @@ class SharedInFlight:
         self._table = table
         self._row = row
         self._columns = table.columns
+
+    def claim(self, role: str, choose: Choose) -> str | None:
+        """The turn is the sum of every worker's placements for `role`, so a request that
+        follows another in a different worker gets the next turn, as with one process."""
+        assert self._row is not None, "the control process only reads in-flight counts"
+        table, column = self._table, TURN_COLUMN[role]
+        with table.locked():
+            turn = table.total(column)
+            table.add(self._row, column, 1)
+            engine_id = choose(turn)
+            if engine_id is not None:
+                table.add(self._row, self._columns[engine_id], 1)
+        return engine_id
 
     def enter(self, engine_id: str) -> None:
         assert self._row is not None, "the control process only reads in-flight counts"
@@ -82,10 +112,9 @@ class SharedInFlight:
 
 class SharedBudget:
     """The router's data connections in use, as a `Budget` of worker `row`: a unit is taken
-    under a lock on the table (the check and the increment are one step for every worker,
-    so the sum never passes `limit`); a unit is given back without one (a reader that misses
-    it refuses once, harmlessly). The lock is held for a few memory reads, never across an
-    await; the kernel drops it if its holder dies."""
+    under the table's lock (the check and the increment are one step for every worker, so the
+    sum never passes `limit`); a unit is given back without it (a reader that misses it
+    refuses once, harmlessly)."""
 
     def __init__(self, table: WorkerTable, row: int, limit: int) -> None:
         self._table = table
@@ -94,14 +123,11 @@ class SharedBudget:
 
     def take(self) -> bool:
         table = self._table
-        fcntl.lockf(table.fd, fcntl.LOCK_EX)
-        try:
+        with table.locked():
             if table.total(POOL_IN_USE) >= self._limit:
                 return False
             table.add(self._row, POOL_IN_USE, 1)
             return True
-        finally:
-            fcntl.lockf(table.fd, fcntl.LOCK_UN)
 
     def give_back(self) -> None:
         self._table.add(self._row, POOL_IN_USE, -1)
