@@ -7,14 +7,12 @@ in one task group; shutdown is cancellation.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import random
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from narwhal.control.readmission import Readmission
 from narwhal.control.stages import SmallStages
 from narwhal.control.suspects import SuspectProbes
 from narwhal.dataplane.proxy import DataPlane
+from narwhal.dataplane.request_ids import numbered_ids, request_prefix
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
@@ -121,7 +120,7 @@ class Router:
             self.metrics.data,
             self.clock,
             self.admission,
-            new_request_id or _request_ids(),
+            new_request_id or numbered_ids(request_prefix()),
             self.adapters,
             stats=self.stats,
             timeline=self.timeline,
@@ -497,11 +496,3 @@ def _runtime_dir() -> Path:
     for stale in sweep_stale_runtime_dirs(base):
         log.info("removed stale runtime directory %s", stale)
     return Path(tempfile.mkdtemp(prefix=f"narwhal-{os.getpid()}-"))
-
-
-def _request_ids() -> Callable[[], str]:
-    """`narwhal-<random per process>-<n>`: unique across restarts and routers sharing engines,
-    without a uuid4 (a getrandom system call) on every request."""
-    prefix = uuid.uuid4().hex[:16]
-    ids = itertools.count(1)
-    return lambda: f"narwhal-{prefix}-{next(ids)}"

@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import sys
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 from narwhal.clock import Clock
 from narwhal.config import Config
 from narwhal.control.evidence import EvidenceRecorder
+from narwhal.dataplane.request_ids import request_prefix
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.codec import encode
@@ -180,7 +180,7 @@ class Supervisor:
                 tg.create_task(self._watch(w))
             while True:
                 self._send_gate()
-                await asyncio.sleep(self._window_s / 4)
+                await self._clock.sleep(self._window_s / 4)
 
     async def stop(self, grace_s: float) -> None:
         """Drain: each worker stops accepting and finishes its requests within `grace_s`;
@@ -270,7 +270,7 @@ class Supervisor:
             "settle_s": self._window_s,
             "log": [logging.getLevelName(root.level).lower(), "json" if json_logs else "text"],
             "metrics_id": f"w{w.index}-{os.getpid()}-{w.generation}",
-            "request_prefix": f"narwhal-{uuid.uuid4().hex[:16]}",
+            "request_prefix": request_prefix(),
             "host": self._host,
             "port": self.port,
         }
@@ -303,7 +303,7 @@ class Supervisor:
             )
             w.recent_exits = w.recent_exits + 1 if _ran_briefly(w, self._clock) else 1
             while True:  # until a replacement listens; a failed start backs off further
-                await asyncio.sleep(restart_delay_s(w.recent_exits))
+                await self._clock.sleep(restart_delay_s(w.recent_exits))
                 try:
                     await self._spawn(w)
                     break

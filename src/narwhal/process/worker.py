@@ -17,13 +17,11 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import itertools
 import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -36,6 +34,7 @@ from narwhal.dataplane.errors import openai_error
 from narwhal.dataplane.models import models_list
 from narwhal.dataplane.pool import Pool
 from narwhal.dataplane.proxy import DataPlane
+from narwhal.dataplane.request_ids import numbered_ids
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
 from narwhal.fleet.codec import decode
@@ -104,7 +103,7 @@ class Worker:
             self.metrics,
             self.clock,
             self.gate,
-            _request_ids(hello["request_prefix"]),
+            numbered_ids(hello["request_prefix"]),
             Adapters(self.client, self.clock, self.config.engine.probe_timeout_s),
             stats=self.stats,
             timeline=self.timeline,
@@ -270,12 +269,6 @@ class Worker:
         finally:
             await runner.cleanup()
             await self.client.close()
-
-
-def _request_ids(prefix: str) -> Callable[[], str]:
-    """`<prefix>-<n>`: the prefix is drawn by the control process, one per worker start."""
-    ids = itertools.count(1)
-    return lambda: f"{prefix}-{next(ids)}"
 
 
 async def _main(channel_fd: int, index: int) -> int:
