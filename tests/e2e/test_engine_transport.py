@@ -225,7 +225,6 @@ async def test_the_data_pool_bound_counts_idle_prefill_sockets(engines: Engines)
     limit = 2
     client = EngineClient(data_limit=limit, control_limit=1)
     await client.start()
-    session = client.session(PoolKind.DATA)
     prefill, decode = engines.urls[0], engines.urls[1]
     streams = []
     try:
@@ -233,8 +232,8 @@ async def test_the_data_pool_bound_counts_idle_prefill_sockets(engines: Engines)
             reply = await client.post(PoolKind.DATA, prefill + "/v1/completions", b"{}", {}, 5.0)
             assert reply.status == 200
             await _settled_sockets(engines.ports, limit)
-            resp = await session.post(decode + "/stream", data=b"{}")
-            assert await resp.content.readline() == b"data: 1\n"
+            resp = await client.stream(decode + "/stream", b"{}", {})
+            assert await resp.readany() == b"data: 1\n\n"
             streams.append(resp)
             await _settled_sockets(engines.ports, limit)
         assert await _settled_sockets(engines.ports, limit) == limit  # the two streams

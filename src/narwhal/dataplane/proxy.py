@@ -43,6 +43,7 @@ from narwhal.engine.failures import (
     SuccessKind,
     classify_status,
 )
+from narwhal.engine.h1 import EngineResponse
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, PoolKind, classify_exception, engine_headers
 from narwhal.fleet.evidence_sink import EvidenceSink
@@ -542,8 +543,7 @@ class DataPlane:
         )
         scanner = SseScanner()
         leg_start = last_chunk = time.perf_counter()
-        session = self._client.session(PoolKind.DATA)
-        resp: aiohttp.ClientResponse | None = None
+        resp: EngineResponse | None = None
         complete = False  # [DONE] arrived and reached the client
         try:
             async with asyncio.timeout_at(None) as timer:
@@ -552,7 +552,7 @@ class DataPlane:
                     watch.reading()
                     # Serialised here and not kept: orjson's output holds a 4 KB buffer,
                     # which would otherwise stay allocated for the whole stream.
-                    resp = await session.post(url, data=orjson.dumps(body), headers=headers)
+                    resp = await self._client.stream(url, orjson.dumps(body), headers)
                     if resp.status != 200:
                         answer = await resp.read()
                         raise self._status_failure(
@@ -560,7 +560,7 @@ class DataPlane:
                         )
                     while True:
                         watch.reading()
-                        chunk = await resp.content.readany()
+                        chunk = await resp.readany()
                         watch.writing()
                         if chunk:
                             scanner.feed(chunk)
@@ -597,7 +597,7 @@ class DataPlane:
                         if scanner.done:
                             complete = True
                             break  # the answer is complete, whether or not the engine hangs up
-                except (aiohttp.ClientError, OSError) as exc:
+                except OSError as exc:
                     raise self._fail(
                         engine, leg, classify_exception(exc, FailureClass.STREAM)
                     ) from None
@@ -700,22 +700,18 @@ def _client_error_body(engine_body: bytes) -> bytes:
     return error_body(message, "BadRequestError", 400, param="prompt")
 
 
-async def _release_at_eof(resp: aiohttp.ClientResponse) -> None:
+async def _release_at_eof(resp: EngineResponse) -> None:
     """After `[DONE]`: give the engine connection back for reuse once the body's end arrives,
     which usually follows at once; an engine that holds the stream open is hung up on."""
-    content = resp.content
     try:
-        if not content.at_eof():
+        if not resp.at_eof():
             async with asyncio.timeout(_EOF_AFTER_DONE_S):
-                while await content.readany():
+                while await resp.readany():
                     pass  # nothing after [DONE] is part of the answer
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except (TimeoutError, OSError):
         pass
     finally:
-        if content.at_eof():
-            resp.release()
-        else:
-            resp.close()
+        resp.release()  # closes the socket when the body's end never came
 
 
 def _cut_off(request: web.Request) -> None:

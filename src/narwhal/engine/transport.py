@@ -1,8 +1,9 @@
 """HTTP to engines over two bounded pools, with every transport error classified here.
 
-The data pool serves prefill, decode and token counting; the control pool (health, probes,
-readmission) is a separate connector so data traffic can never starve it. Each pool's bound
-counts every open socket, idle keep-alive ones included (`BoundedConnector`). A control
+The data pool serves prefill, decode and token counting, on `h1.H1Client` (asyncio protocols
+and httptools: the hot path); the control pool (health, probes, readmission) is a separate
+aiohttp connector so data traffic can never starve it. Each pool's bound counts every open
+socket, idle keep-alive ones included (`H1Client`, `BoundedConnector`). A control
 request has one deadline for waiting for a free control connection and for the request: a wait
 that uses it up, or leaves the engine too little of it, is never charged to the engine
 (`ControlPoolBusy`).
@@ -23,6 +24,13 @@ from typing import Any, Protocol
 import aiohttp
 
 from narwhal.engine.failures import EngineFailure, FailureClass
+from narwhal.engine.h1 import (
+    EngineConnectFailed,
+    EngineConnectionLost,
+    EngineProtocolError,
+    EngineResponse,
+    H1Client,
+)
 
 
 class PoolKind(StrEnum):
@@ -53,6 +61,10 @@ def classify_exception(exc: BaseException, timeout_class: FailureClass) -> Engin
         return exc
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return EngineFailure(timeout_class, "deadline exceeded", timed_out=True)
+    if isinstance(exc, EngineConnectFailed):
+        return EngineFailure(FailureClass.CONNECTION, str(exc))
+    if isinstance(exc, EngineConnectionLost | EngineProtocolError):
+        return EngineFailure(FailureClass.CONNECTION, f"connection lost: {exc}")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return EngineFailure(FailureClass.CONNECTION, f"connect failed: {exc.os_error}")
     if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
@@ -117,39 +129,63 @@ def _connector(limit: int, ssl_context: ssl.SSLContext | None) -> aiohttp.TCPCon
 
 
 class EngineClient:
-    """Owns the two aiohttp sessions; created and closed inside the running loop."""
+    """Owns the two pools' clients; created and closed inside the running loop."""
 
     def __init__(
         self, data_limit: int, control_limit: int, ssl_context: ssl.SSLContext | None = None
     ) -> None:
         """`ssl_context`: how HTTPS engines are verified (default: the system trust store,
         which honours SSL_CERT_FILE)."""
-        self._limits = {PoolKind.DATA: data_limit, PoolKind.CONTROL: control_limit}
+        self._data_limit = data_limit
+        self._control_limit = control_limit
         self._ssl = ssl_context
+        self._data: H1Client | None = None
         self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
         self._control = asyncio.Semaphore(control_limit)
         self.control_in_use = 0
 
     async def start(self) -> None:
-        for kind, limit in self._limits.items():
-            self._sessions[kind] = aiohttp.ClientSession(
-                connector=_connector(limit, self._ssl),
-                timeout=aiohttp.ClientTimeout(total=None),
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent",),
-                # The router relays engine bytes as they are (SSE) and parses handoffs: a
-                # compressed answer would break both, so engines are asked not to compress.
-                headers={"Accept-Encoding": "identity"},
-                cookie_jar=aiohttp.DummyCookieJar(),  # engines' cookies are never sent back
-            )
+        self._data = H1Client(self._data_limit, self._ssl)
+        self._sessions[PoolKind.CONTROL] = aiohttp.ClientSession(
+            connector=_connector(self._control_limit, self._ssl),
+            timeout=aiohttp.ClientTimeout(total=None),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            # The router relays engine bytes as they are (SSE) and parses handoffs: a
+            # compressed answer would break both, so engines are asked not to compress.
+            headers={"Accept-Encoding": "identity"},
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines' cookies are never sent back
+        )
 
     async def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
         for session in self._sessions.values():
             await session.close()
         self._sessions.clear()
 
     def session(self, pool: PoolKind) -> aiohttp.ClientSession:
+        """The control pool's aiohttp session (the data pool has none)."""
+        assert pool is PoolKind.CONTROL, "the data pool is H1Client's: use stream() or post()"
         return self._sessions[pool]
+
+    async def stream(self, url: str, body: bytes, headers: Mapping[str, str]) -> EngineResponse:
+        """A data-pool POST whose answer is read as it arrives; the caller bounds the time,
+        ends the response (`release` or `close`) and classifies `OSError`s."""
+        assert self._data is not None, "EngineClient.start() first"
+        return await self._data.request("POST", url, body, headers)
+
+    async def _data_request(
+        self, method: str, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> Reply:
+        assert self._data is not None, "EngineClient.start() first"
+        resp = await self._data.request(method, url, body, headers)
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()  # reused when read whole; closed when cut short
+        return Reply(resp.status, data, resp.content_type)
 
     @asynccontextmanager
     async def control_slot(self, wait_s: float) -> AsyncIterator[None]:
@@ -202,6 +238,9 @@ class EngineClient:
     ) -> Reply:
         """POST and read the whole reply; raises EngineFailure on transport trouble."""
         try:
+            if pool is PoolKind.DATA:
+                async with asyncio.timeout(timeout_s):
+                    return await self._data_request("POST", url, body, headers)
             async with (
                 self.deadline(pool, timeout_s),
                 self._sessions[pool].post(url, data=body, headers=headers) as resp,
@@ -219,6 +258,9 @@ class EngineClient:
         headers: Mapping[str, str] | None = None,
     ) -> Reply:
         try:
+            if pool is PoolKind.DATA:
+                async with asyncio.timeout(timeout_s):
+                    return await self._data_request("GET", url, b"", headers or {})
             async with (
                 self.deadline(pool, timeout_s),
                 self._sessions[pool].get(url, headers=headers) as resp,

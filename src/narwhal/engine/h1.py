@@ -1,0 +1,428 @@
+"""HTTP/1.1 to engines on asyncio protocols, parsed by httptools (llhttp): the data pool.
+
+Why not aiohttp's client here: it was the largest single cost of a proxied request (about a
+quarter of the router's busy time, docs/benchmarks.md "Hot-path profile"), and the data plane
+needs little of it. This client does what the data plane needs and no more:
+
+- `POST` (or `GET`) with a body and the caller's headers (`Host`, `Content-Length` and
+  `Accept-Encoding: identity` added: the router relays and parses raw bytes);
+- the answer's status and content type, then its body whole (`read`) or piece by piece as it
+  arrives (`readany`), with back-pressure: reading pauses while a reader lags far behind;
+- bodies framed by `Content-Length`, chunked, or ended by the engine closing (HTTP/1.0 style);
+- keep-alive reuse, and one bound on open sockets, idle ones included: before a new socket
+  opens, the oldest idle ones (of any engine) are closed until it fits;
+- HTTPS through `ssl`.
+
+Errors are `ConnectionError`s, which `transport.classify_exception` maps to the spec's
+classes: `EngineConnectFailed` (no connection), `EngineConnectionLost` (it ended before the
+answer did), `EngineProtocolError` (not HTTP/1.1, or headers over 64 KiB).
+
+An idle socket is kept at most `idle_s` (4 s: below uvicorn's 5 s keep-alive, vLLM's server,
+so the engine rarely closes one just as it is reused). If a reused socket still turns out to
+be closed before any byte of the answer came back, the request is sent once more on a fresh
+socket: the engine had closed it idle, so it never saw the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+_MAX_HEAD_BYTES = 64 * 1024
+_HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the engine pauses
+IDLE_S = 4.0
+_NO_BODY = frozenset({204, 304})
+
+
+class EngineConnectFailed(ConnectionError):
+    """No connection to the engine could be opened."""
+
+
+class EngineConnectionLost(ConnectionError):
+    """The connection ended before the answer did."""
+
+
+class EngineProtocolError(ConnectionError):
+    """The engine's answer is not HTTP/1.1 this client can read."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    origin: tuple[str, int, bool]  # host, port, https
+    head: bytes  # the request line and `Host`, ready to be followed by the other headers
+
+
+def _target(method: str, url: str) -> _Target:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    https = parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    head = f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
+    return _Target((parts.hostname, port, https), head)
+
+
+def _header_lines(headers: Mapping[str, str], length: int) -> bytes:
+    lines = [f"Content-Length: {length}\r\nAccept-Encoding: identity\r\n"]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} contains a line break")
+        lines.append(f"{name}: {value}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+class _Connection(asyncio.Protocol):
+    """One socket to one engine, one request at a time."""
+
+    def __init__(self, client: H1Client, origin: tuple[str, int, bool]) -> None:
+        self._client = client
+        self.origin = origin
+        self._loop = client.loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.counted = True  # still counted in the client's open sockets
+        self.uses = 0
+        self.idle_since = 0.0
+        self._begin()
+
+    def _begin(self) -> None:
+        """Ready for the next answer."""
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.content_type = ""
+        self._head_bytes = 0
+        self._framed = False
+        self._interim = False
+        self.head_done: asyncio.Future[None] = self._loop.create_future()
+        self._pieces: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self.complete = False
+        self._keep_alive = False  # read when the answer completes: the parser resets after
+        self.received = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------ protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._client.forget(self)
+        if self.complete:
+            return
+        if self.head_done.done() and not self._framed and not self._interim:
+            self._finish()  # a body without Content-Length or chunking ends where the socket does
+            return
+        detail = f": {exc}" if exc is not None else ""
+        self._fail(EngineConnectionLost(f"the engine closed the connection{detail}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(EngineProtocolError(f"malformed HTTP answer: {exc}"))
+            self.abort()
+
+    # ------------------------------------------------------------------ parser callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > _MAX_HEAD_BYTES:
+            raise EngineProtocolError("answer headers over 64 KiB")
+        lower = name.lower()
+        if lower == b"content-type":
+            self.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        elif lower in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            self._interim = True  # 1xx: another head follows
+            return
+        self.status = status
+        if status in _NO_BODY:
+            self._framed = True
+        if not self.head_done.done():
+            self.head_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._pieces.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            self._head_bytes, self._framed = 0, False
+            return
+        self._keep_alive = self._parser.should_keep_alive()
+        self._finish()
+
+    # ------------------------------------------------------------------ state
+    def _finish(self) -> None:
+        self.complete = True
+        if not self.head_done.done():
+            self.head_done.set_result(None)
+        self._wake()
+
+    def _fail(self, error: Exception) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+            if not self.head_done.done():
+                self.head_done.set_exception(error)
+                self.head_done.exception()  # retrieved: a caller that left needs no warning
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.uses += 1
+        self.transport.write(data)
+
+    async def readany(self) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some); b"" at its end."""
+        while not self._pieces:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        pieces = self._pieces
+        data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        """A whole answer read off a socket the engine keeps open. Not one whose reading is
+        paused (an answer released unread): idle, it would never notice the engine closing."""
+        return self.complete and self._keep_alive and not self.closed and not self._paused
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+        self.closed = True
+
+
+class EngineResponse:
+    """An engine's answer: status and content type at once, the body as it arrives. End it
+    with `release` (the socket is reused if the whole answer was read) or `close`."""
+
+    def __init__(self, connection: _Connection, client: H1Client) -> None:
+        self._connection = connection
+        self._client = client
+        self.status = connection.status
+        self.content_type = connection.content_type or "application/octet-stream"
+        self._done = False
+
+    async def readany(self) -> bytes:
+        return await self._connection.readany()
+
+    async def read(self) -> bytes:
+        pieces = []
+        while piece := await self._connection.readany():
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def at_eof(self) -> bool:
+        return self._connection.complete and not self._connection._pieces
+
+    def release(self) -> None:
+        """Give the socket back for reuse if the answer is complete; otherwise close it."""
+        if not self._done:
+            self._done = True
+            self._client.put_back(self._connection)
+
+    def close(self) -> None:
+        """Hang up: the engine sees the disconnect (and aborts the request)."""
+        if not self._done:
+            self._done = True
+            self._connection.abort()
+            self._client.put_back(self._connection)
+
+
+class H1Client:
+    """Keep-alive sockets to every engine of one pool, at most `limit` open in total."""
+
+    def __init__(
+        self, limit: int, ssl_context: ssl.SSLContext | None = None, idle_s: float = IDLE_S
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._limit = limit
+        self._ssl = ssl_context  # made on the first HTTPS connection when not given
+        self._idle_s = idle_s
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._open = 0  # sockets open or being opened
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._targets: dict[tuple[str, str], _Target] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    async def request(
+        self, method: str, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> EngineResponse:
+        """Send the request and wait for the answer's head. The caller bounds the time."""
+        target = self._targets.get((method, url))
+        if target is None:
+            target = self._targets[method, url] = _target(method, url)
+        data = target.head + _header_lines(headers, len(body)) + body
+        for _ in range(2):
+            connection = await self._connection(target.origin)
+            reused = connection.uses > 0
+            try:
+                connection.send(data)
+                await connection.head_done
+            except EngineConnectionLost:
+                connection.abort()
+                if reused and not connection.received:
+                    continue  # closed while idle: the engine never saw this request
+                raise
+            except BaseException:
+                connection.abort()  # cancelled or failed mid-answer: never reused
+                raise
+            return EngineResponse(connection, self)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ the pool
+    async def _connection(self, origin: tuple[str, int, bool]) -> _Connection:
+        idle = self._idle.get(origin)
+        now = self.loop.time()
+        while idle:
+            connection = idle.pop()  # the most recently used: the least likely to be closed
+            if not connection.closed and now - connection.idle_since < self._idle_s:
+                connection._begin()
+                return connection
+            connection.abort()
+        while self._open >= self._limit:
+            if self._evict_oldest():
+                # asyncio closes an aborted socket on the next loop iteration: let it, so the
+                # old socket is gone before the new one exists.
+                await asyncio.sleep(0)
+                continue
+            waiter = self.loop.create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+        self._open += 1
+        host, port, https = origin
+        made: list[_Connection] = []
+
+        def protocol() -> _Connection:
+            made.append(_Connection(self, origin))
+            return made[0]
+
+        try:
+            await self.loop.create_connection(
+                protocol, host, port, ssl=self._ssl_context() if https else None
+            )
+        except BaseException as exc:
+            if made:  # the socket existed (cancelled in the TLS handshake, say): close it
+                made[0].abort()
+                self.forget(made[0])
+            else:
+                self._open -= 1
+                self._wake_slot_waiter()
+            if isinstance(exc, OSError):
+                raise EngineConnectFailed(f"connect failed: {exc}") from exc
+            raise
+        return made[0]
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()  # the system trust store, SSL_CERT_FILE
+        return self._ssl
+
+    def _evict_oldest(self) -> bool:
+        oldest: _Connection | None = None
+        for connections in self._idle.values():
+            for c in connections:
+                if oldest is None or c.idle_since < oldest.idle_since:
+                    oldest = c
+        if oldest is None:
+            return False
+        self._idle[oldest.origin].remove(oldest)
+        oldest.abort()
+        self.forget(oldest)
+        return True
+
+    def put_back(self, connection: _Connection) -> None:
+        if connection.reusable() and not self._closed:
+            connection.idle_since = self.loop.time()
+            self._idle.setdefault(connection.origin, []).append(connection)
+            if self._sweep is None:
+                self._sweep = self.loop.call_later(self._idle_s, self._close_expired)
+        else:
+            connection.abort()
+            self.forget(connection)
+
+    def forget(self, connection: _Connection) -> None:
+        """A socket closed: it no longer counts against the bound."""
+        if connection.counted:
+            connection.counted = False
+            self._open -= 1
+            idle = self._idle.get(connection.origin)
+            if idle and connection in idle:
+                idle.remove(connection)
+            self._wake_slot_waiter()
+
+    def _wake_slot_waiter(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _close_expired(self) -> None:
+        """Close the sockets idle for `idle_s`; run again when the next one will have been."""
+        self._sweep = None
+        now = self.loop.time()
+        oldest: float | None = None
+        for connections in self._idle.values():
+            for c in list(connections):
+                if now - c.idle_since >= self._idle_s:
+                    connections.remove(c)
+                    c.abort()
+                    self.forget(c)
+                elif oldest is None or c.idle_since < oldest:
+                    oldest = c.idle_since
+        if oldest is not None and not self._closed:
+            self._sweep = self.loop.call_at(oldest + self._idle_s, self._close_expired)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+        for connections in self._idle.values():
+            for c in list(connections):
+                c.abort()
+                self.forget(c)
+        self._idle.clear()
