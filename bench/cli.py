@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Narwhal serving.workers values for router_bound, e.g. 1,2,4,8 or 1,2,auto "
         "(default: the mode's, 1,2,auto)",
     )
+    p.add_argument(
+        "--ab-src",
+        type=Path,
+        metavar="SRC",
+        help="router_bound also runs each Narwhal target from this source tree (another "
+        "revision's src/, e.g. a git worktree) as <target>@base, side by side",
+    )
     p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
     return p
 
@@ -104,7 +111,11 @@ async def _main(args: argparse.Namespace) -> int:
         skipped = {k: f"not installed: {venv.failed[k]}" for k in PEER_KINDS if k in venv.failed}
     model = str(write_tokenizer(work / "tokenizer"))
     loadgen = LoadGen(load_python(venv), work / "logs" / "loadgen.log")
-    ctx = Context(mode, work, venv, loadgen, model, skipped=skipped)
+    ab_src = args.ab_src.resolve() if args.ab_src else None
+    if ab_src is not None and not (ab_src / "narwhal" / "__init__.py").is_file():
+        print(f"--ab-src: {ab_src} holds no narwhal package", file=sys.stderr)
+        return 2
+    ctx = Context(mode, work, venv, loadgen, model, skipped=skipped, ab_src=ab_src)
     doc: dict[str, Any] = {
         "mode": mode.name,
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),

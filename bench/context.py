@@ -50,6 +50,9 @@ class Context:
     notes: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)  # router name -> command line
     configs: dict[str, Any] = field(default_factory=dict)  # Narwhal variant -> its config
+    # `--ab-src`: router_bound also runs each Narwhal target from this source tree (another
+    # revision's `src/`, e.g. a git worktree), as `<target>@base`, for a side-by-side A/B
+    ab_src: Path | None = None
 
     @property
     def logs(self) -> Path:

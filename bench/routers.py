@@ -37,6 +37,7 @@ class RouterSpec:
     snapshots: Path | None = None  # Narwhal under tracemalloc, snapshots here (bench.traced)
     uvloop: bool = False
     workers: int | str | None = None
+    src: Path | None = None  # Narwhal from this source tree (`--ab-src`) instead of the repo's
 
 
 @dataclass(slots=True)
@@ -133,6 +134,8 @@ async def _start(
         if spec.snapshots is not None:
             argv[1:3] = ["-m", "bench.traced", str(spec.snapshots)]
         argv += ["--log-level", "WARNING"]
+        if spec.src is not None:  # ahead of the editable install; the workers inherit it
+            env = {"PYTHONPATH": str(spec.src)}
         ready = "/ready"
     else:
         if venv is None or not venv.ready:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.context import PEER_KINDS
 from bench.report import router_bound
 from bench.report.fmt import is_peer
 from bench.report.overhead import paired_added, point
@@ -287,8 +288,10 @@ def render(doc: dict[str, Any]) -> str:
     for title, items in sections:
         if items:
             out += [f"**{title}**", "", *[f"- {x}" for x in items], ""]
-    if not out:
+    if not out and not set(PEER_KINDS) <= set(doc.get("skipped", {})):
         out = ["Narwhal was not behind any peer by more than 5% on any measured figure.", ""]
+    elif not out:
+        out = ["No peer router ran, so nothing was compared.", ""]
     why = [
         _why(suites.get("profile") or {}),
         _why_streams(suites.get("streams") or {}),

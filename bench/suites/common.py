@@ -14,7 +14,7 @@ from typing import Any
 from bench.context import CLIENT_GRACE_S, REQUEST_TIMEOUT_S, Context, router_spec
 from bench.loadgen.spec import RunResult, RunSpec
 from bench.procs import reset_peak, tree, tree_usage
-from bench.routers import Engines, Running, start_router
+from bench.routers import Engines, RouterSpec, Running, start_router
 from bench.sims import SimFlags, SimFleet
 from bench.tap_client import Tap
 
@@ -46,13 +46,24 @@ async def tapped_fleet(
         await fleet.stop()
 
 
+def spec_for(name: str, ab_src: Path | None) -> RouterSpec:
+    """`router_spec(name)`, and `<name>@base`: the same Narwhal run from the `--ab-src` tree."""
+    base, _, variant = name.partition("@")
+    spec = replace(router_spec(base), name=name)
+    if not variant:
+        return spec
+    if variant != "base" or spec.kind != "narwhal" or ab_src is None:
+        raise ValueError(f"{name}: only a Narwhal target has an @base twin, with --ab-src")
+    return replace(spec, src=ab_src)
+
+
 async def start_routers(
     ctx: Context, names: list[str], engines: Engines, tweak: dict[str, Any] | None = None
 ) -> dict[str, Running]:
     """Start every available router; one that fails to start is recorded in ctx.skipped."""
     running: dict[str, Running] = {}
     for name in names:
-        spec = router_spec(name)
+        spec = spec_for(name, ctx.ab_src)
         if spec.kind in ctx.skipped:
             continue
         if tweak and spec.kind == "narwhal":

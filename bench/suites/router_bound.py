@@ -267,6 +267,8 @@ def _log(ctx: Context, row: dict[str, Any]) -> None:
 async def run(ctx: Context) -> dict[str, Any]:
     mode = ctx.mode
     workers = {narwhal_target(w): w for w in mode.router_bound_workers}
+    if ctx.ab_src is not None:  # each Narwhal target beside its twin from the other tree
+        workers = {n: w for t, w in workers.items() for n in (t, f"{t}@base")}
     names = [*workers, *PEERS]
     fleet = SimFleet.plan(1, 1, ctx.model, FLAGS, ctx.logs)
     await fleet.start()
