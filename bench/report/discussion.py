@@ -158,8 +158,9 @@ def _why_streams(s: dict[str, Any]) -> str:
         f"{capacity:,.0f} chunks/s; {s['streams']} streams at {s['itl_ms']:.0f} ms need "
         f"{needed:,.0f}/s, {load}. The Rust peers also spread the "
         "work over both cores. Memory: each open stream holds an "
-        "aiohttp server request and `StreamResponse`, an upstream `ClientResponse` with its "
-        "`StreamReader` and buffers, the handler task and its coroutine frames; "
+        "aiohttp server request and `StreamResponse`, an upstream connection of "
+        "`engine/h1.py` with its parser and buffered pieces, the handler task and its "
+        "coroutine frames; "
         f"{n['memory_per_stream_kb'] or 0:.0f} KB per stream here against the target's 20 KB "
         "(the peers, which keep larger pools and caches, use more in total)."
         + _why_floor(n, rows.get("floor"))
@@ -194,10 +195,9 @@ def _why_memory(a: dict[str, Any] | None) -> str:
     return (
         f" Measured with tracemalloc, the open streams hold {a['traced_kb_per_stream']:.1f} KB "
         f"of Python objects each; the largest: {named}. aiohttp and asyncio account for "
-        f"{stacks:.1f} KB of it (a server connection and request, an upstream connection, "
-        f"response and `StreamReader`, two transports), Narwhal's own modules {mine:.1f} KB "
-        "(the coroutine frames of the request path). The two HTTP stacks alone exceed the "
-        "20 KB target: meeting it would take replacing aiohttp on both sides."
+        f"{stacks:.1f} KB of it (aiohttp's server connection and request, two transports), "
+        f"Narwhal's own modules {mine:.1f} KB (the request path's coroutine frames and the "
+        "engine connection of `engine/h1.py`)."
     )
 
 
@@ -262,16 +262,17 @@ def _why(p: dict[str, Any]) -> str:
     below = [(f, s) for f, s in j["inclusive_narwhal"] if f.split(" (")[0] not in _WRAPPERS]
     mine = ", ".join(f"`{f.split(' (')[0]}` {100 * s:.0f}%" for f, s in below[:8])
     return (
-        "Narwhal is one Python process on one asyncio event loop; the peers are Rust (tokio and "
-        "hyper) with worker threads on both cores. For each client request Narwhal serves one "
-        "aiohttp server request and makes two aiohttp client requests (prefill, decode), parses "
-        "the client's JSON and the prefill's answer, and updates its Prometheus metrics. In the "
+        "Profiled as one Python process on one asyncio event loop (`serving.workers: 1`); the "
+        "peers are Rust (tokio and hyper) with worker threads on both cores. For each client "
+        "request Narwhal serves one aiohttp server request and makes two engine requests "
+        "(prefill, decode) on `engine/h1.py`'s protocols, parses the client's JSON and the "
+        "prefill's answer, and updates its Prometheus metrics. In the "
         f"non-streaming profile the router's busy time splits as: {areas}. Top functions by self "
         f"time: {top}. Below the request handler, Narwhal's frames by inclusive time: {mine}. "
         "Socket writes "
         "(`_SelectorSocketTransport.write`) include the kernel's loopback delivery; the rest of "
-        "the top is the event loop and aiohttp's client machinery (request and header building, "
-        "response parsing), the stack's cost that the floor measures too."
+        "the top is the event loop and aiohttp's server, the stack's cost that the floor "
+        "measures too."
     )
 
 

@@ -3,7 +3,8 @@ uvloop, asyncio protocols + httptools on uvloop), Narwhal on asyncio and on uvlo
 
 One prefill and one decode sim that answer at once (no inter-token latency, no TTFT delay),
 `max_tokens` 8, c=64 (full mode), non-streaming then streaming; `reps` rounds, each running
-every target once in a rotated order, medians over the rounds. Router CPU is utime + stime of
+every target once in a rotated order, medians over the rounds. Narwhal runs as one process
+(`serving.workers: 1`), like the floors. Router CPU is utime + stime of
 every process of the target (the one started and its descendants), over the measured run only
 (each run is preceded by its own warm-up run, outside the CPU window). Issue 17 §3 asks two
 questions of it: does a lower-level stack cut the floor's CPU per request by at least 1.5x, and
@@ -148,7 +149,9 @@ async def run(ctx: Context) -> dict[str, Any]:
     t0 = time.monotonic()
     routers: dict[str, Running] = {}
     try:
-        routers = await start_routers(ctx, names, engines)
+        # One Narwhal process: workers are exec'd on their own, so `bench.uvrun` would put
+        # only the control process on uvloop; the stacks compare in one process each.
+        routers = await start_routers(ctx, names, engines, tweak={"serving": {"workers": 1}})
         for name, r in routers.items():
             python = r.proc is not None and r.spec.kind not in PEER_KINDS  # peers: Rust, tokio
             loops[name] = loop_of(r.proc.pid) if python and r.proc else "-"

@@ -1,9 +1,11 @@
 """A profile of Narwhal's hot path: py-spy sampling the router under load.
 
-One prefill and one decode sim (the overhead suite's), Narwhal with its defaults, 64 clients,
+One prefill and one decode sim (the overhead suite's), Narwhal with its defaults but one
+process (`serving.workers: 1`: the request path and the control plane on one loop, which a
+profile of one process can show; with workers each runs the same request path), 64 clients,
 non-streaming then streaming. py-spy (bench venv) samples the router process without pausing
-it (`--nonblocking`) and writes collapsed stacks, aggregated by function; idle samples (the event
-loop waiting in epoll) are left out, so shares are of the router's busy time.
+it (`--nonblocking`) and writes collapsed stacks, aggregated by function; idle samples (the
+event loop waiting in epoll) are left out, so shares are of the router's busy time.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     )
     profiles: dict[str, Any] = {}
     try:
-        router = (await start_routers(ctx, ["narwhal"], engines))["narwhal"]
+        router = (await start_routers(ctx, ["narwhal-w1"], engines))["narwhal-w1"]
         assert router.proc is not None
         for stream in ("no", "yes"):
             out = ctx.work / f"profile-narwhal-{'stream' if stream == 'yes' else 'json'}.txt"
