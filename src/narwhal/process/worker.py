@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any
 
 import aiohttp
+import uvloop
 from aiohttp import web
 
 from narwhal.clock import SystemClock
@@ -321,8 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the control process decides
-    with contextlib.suppress(ConnectionError):
-        return asyncio.run(_main(args.channel_fd, args.index))
+    # The data plane runs on uvloop: with the engine legs on protocols (engine/h1.py) the
+    # event loop is a large share of a request's CPU (docs/benchmarks.md, "uvloop in the
+    # workers"). The control process stays on asyncio.
+    with (
+        contextlib.suppress(ConnectionError),
+        asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
+    ):
+        return runner.run(_main(args.channel_fd, args.index))
     return 0
 
 
