@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import os
 import socket
 import struct
 import termios
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ from narwhal.engine.h1 import (
 )
 from narwhal.engine.transport import EngineClient, PoolKind
 from tests.support.poll import eventually
+from tests.support.sockets import client_ends, client_sockets
 
 # ------------------------------------------------------------------ raw engines
 
@@ -174,39 +174,13 @@ def from_connection(request: Request) -> bytes:
     return b"connection %d" % request.connection
 
 
-def _client_ends(ports: set[int]) -> Iterator[socket.socket]:
-    """This process's connected TCP sockets whose peer is one of `ports`: the client ends of
-    connections to the engines, idle keep-alive ones included (the engines' own ends have
-    ephemeral peers). Each is a duplicate, closed once the next one is asked for."""
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            dup = os.dup(int(name))
-        except OSError:
-            continue
-        with socket.socket(fileno=dup) as sock:
-            if sock.family is not socket.AF_INET or sock.type is not socket.SOCK_STREAM:
-                continue
-            try:
-                peer = sock.getpeername()
-            except OSError:
-                continue
-            if peer[1] in ports:
-                yield sock
-
-
-def _client_sockets(ports: set[int]) -> int:
-    return sum(1 for _ in _client_ends(ports))
-
-
 def _queued(fd: int, request: int) -> int:
     return int(struct.unpack("i", fcntl.ioctl(fd, request, b"\0\0\0\0"))[0])
 
 
 def _client_unread(ports: set[int]) -> int:
     """Bytes in the client sockets' kernel receive queues: arrived, not yet read by asyncio."""
-    return sum(_queued(sock.fileno(), termios.FIONREAD) for sock in _client_ends(ports))
+    return sum(_queued(sock.fileno(), termios.FIONREAD) for sock in client_ends(ports))
 
 
 def _unsent(writer: asyncio.StreamWriter) -> int:
@@ -220,7 +194,7 @@ async def _sockets_down_to(ports: set[int], at_most: int, timeout_s: float = 2.0
     """Wait until at most `at_most` client sockets to `ports` are open (asyncio closes an
     aborted socket a loop iteration later)."""
     await eventually(
-        lambda: _client_sockets(ports) <= at_most,
+        lambda: client_sockets(ports) <= at_most,
         timeout_s=timeout_s,
         what=f"at most {at_most} client sockets to {sorted(ports)}",
     )
@@ -745,7 +719,7 @@ async def test_the_bound_counts_idle_sockets_across_engines() -> None:
     at_accept: list[int] = []
 
     async def handler(peer: Peer) -> None:
-        at_accept.append(_client_sockets(ports))
+        at_accept.append(client_sockets(ports))
         await keep_alive()(peer)
 
     async with raw_server(handler) as a, raw_server(handler) as b, h1_client(limit=1) as client:
@@ -753,7 +727,7 @@ async def test_the_bound_counts_idle_sockets_across_engines() -> None:
         for url in (a.url, b.url, a.url, b.url):
             assert await _fetch(client, url + "/v1/completions") == b"ok"
             await _sockets_down_to(ports, 1)
-        assert _client_sockets(ports) == 1  # the last one stays, for reuse
+        assert client_sockets(ports) == 1  # the last one stays, for reuse
         assert await _fetch(client, b.url + "/v1/completions") == b"ok"  # and is reused
         assert (a.accepted, b.accepted) == (2, 2)
     assert at_accept and max(at_accept) <= 1, at_accept
@@ -765,7 +739,7 @@ async def test_an_idle_socket_is_closed_after_idle_s() -> None:
     opens a new connection."""
     async with raw_server(keep_alive(from_connection)) as engine, h1_client(4, 0.2) as client:
         assert await _fetch(client, engine.url + "/v1/completions") == b"connection 0"
-        assert _client_sockets({engine.port}) == 1
+        assert client_sockets({engine.port}) == 1
         await _sockets_down_to({engine.port}, 0, timeout_s=1.0)
         await eventually(lambda: engine.peers[0].client_closed, timeout_s=1, what="a close")
         assert await _fetch(client, engine.url + "/v1/completions") == b"connection 1"

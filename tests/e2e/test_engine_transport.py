@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from narwhal.engine.transport import (
     engine_headers,
 )
 from tests.support.poll import eventually
+from tests.support.sockets import client_sockets
 
 
 @pytest.fixture
@@ -166,34 +165,11 @@ async def engines() -> AsyncIterator[Engines]:
     await runner.cleanup()
 
 
-def _client_sockets(ports: set[int]) -> int:
-    """This process's connected TCP sockets whose peer is one of `ports`: the client ends of
-    connections to the engines, idle keep-alive ones included (the engines' own ends have
-    ephemeral peers)."""
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            dup = os.dup(int(name))
-        except OSError:
-            continue
-        with socket.socket(fileno=dup) as sock:
-            if sock.family is not socket.AF_INET or sock.type is not socket.SOCK_STREAM:
-                continue
-            try:
-                peer = sock.getpeername()
-            except OSError:
-                continue
-            count += peer[1] in ports
-    return count
-
-
 async def _settled_sockets(ports: set[int], at_most: int) -> int:
     """The socket count once closed transports have dropped their sockets (asyncio closes
     them a loop iteration later); fails if it never comes down to `at_most`."""
     return await eventually(
-        lambda: (n := _client_sockets(ports)) <= at_most and (n or -1),
+        lambda: (n := client_sockets(ports)) <= at_most and (n or -1),
         timeout_s=2,
         what=f"at most {at_most} sockets to the engines",
     )
