@@ -90,6 +90,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.counted = True  # still counted in the client's open sockets
+        self.closing = False  # aborted; its socket is not closed yet
         self.uses = 0
         self.idle_since = 0.0
         self._begin()
@@ -225,8 +226,13 @@ class _Connection(asyncio.Protocol):
         return self.complete and self._keep_alive and not self.closed and not self._paused
 
     def abort(self) -> None:
+        """Close at once. The socket counts against the bound until `connection_lost`, when
+        asyncio has really closed it (a loop iteration later)."""
         if self.transport is not None and not self.closed:
             self.transport.abort()
+            if self.counted:
+                self._client.closing += 1
+                self.closing = True
         self.closed = True
 
 
@@ -279,6 +285,7 @@ class H1Client:
         self._idle_s = idle_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._open = 0  # sockets open or being opened
+        self.closing = 0  # of those, aborted but not closed yet
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._targets: dict[tuple[str, str], _Target] = {}
         self._sweep: asyncio.TimerHandle | None = None
@@ -311,20 +318,22 @@ class H1Client:
 
     # ------------------------------------------------------------------ the pool
     async def _connection(self, origin: tuple[str, int, bool]) -> _Connection:
-        idle = self._idle.get(origin)
-        now = self.loop.time()
-        while idle:
-            connection = idle.pop()  # the most recently used: the least likely to be closed
-            if not connection.closed and now - connection.idle_since < self._idle_s:
-                connection._begin()
-                return connection
-            connection.abort()
-        while self._open >= self._limit:
-            if self._evict_oldest():
-                # asyncio closes an aborted socket on the next loop iteration: let it, so the
-                # old socket is gone before the new one exists.
-                await asyncio.sleep(0)
-                continue
+        while True:
+            idle = self._idle.get(origin)
+            now = self.loop.time()
+            while idle:
+                connection = idle.pop()  # the most recently used: the least likely closed
+                if not connection.closed and now - connection.idle_since < self._idle_s:
+                    connection._begin()
+                    return connection
+                connection.abort()
+            if self._open < self._limit:
+                break
+            # Close the oldest idle socket, unless one is closing already; then wait until a
+            # socket is really gone (asyncio closes an aborted one a loop iteration later), so
+            # the old socket never coexists with the new one, or one comes back idle.
+            if not self.closing:
+                self._evict_oldest()
             waiter = self.loop.create_future()
             self._slot_waiters.append(waiter)
             try:
@@ -345,8 +354,9 @@ class H1Client:
                 protocol, host, port, ssl=self._ssl_context() if https else None
             )
         except BaseException as exc:
-            if made:  # the socket existed (cancelled in the TLS handshake, say): close it
-                made[0].abort()
+            if made and made[0].transport is not None:  # cancelled in the TLS handshake, say
+                made[0].abort()  # connection_lost will count it out
+            elif made:
                 self.forget(made[0])
             else:
                 self._open -= 1
@@ -361,18 +371,15 @@ class H1Client:
             self._ssl = ssl.create_default_context()  # the system trust store, SSL_CERT_FILE
         return self._ssl
 
-    def _evict_oldest(self) -> bool:
+    def _evict_oldest(self) -> None:
         oldest: _Connection | None = None
         for connections in self._idle.values():
             for c in connections:
                 if oldest is None or c.idle_since < oldest.idle_since:
                     oldest = c
-        if oldest is None:
-            return False
-        self._idle[oldest.origin].remove(oldest)
-        oldest.abort()
-        self.forget(oldest)
-        return True
+        if oldest is not None:
+            self._idle[oldest.origin].remove(oldest)
+            oldest.abort()
 
     def put_back(self, connection: _Connection) -> None:
         if connection.reusable() and not self._closed:
@@ -380,15 +387,17 @@ class H1Client:
             self._idle.setdefault(connection.origin, []).append(connection)
             if self._sweep is None:
                 self._sweep = self.loop.call_later(self._idle_s, self._close_expired)
+            self._wake_slot_waiter()  # a waiter may reuse it, or close it to open its own
         else:
             connection.abort()
-            self.forget(connection)
 
     def forget(self, connection: _Connection) -> None:
         """A socket closed: it no longer counts against the bound."""
         if connection.counted:
             connection.counted = False
             self._open -= 1
+            if connection.closing:
+                self.closing -= 1
             idle = self._idle.get(connection.origin)
             if idle and connection in idle:
                 idle.remove(connection)
@@ -411,7 +420,6 @@ class H1Client:
                 if now - c.idle_since >= self._idle_s:
                     connections.remove(c)
                     c.abort()
-                    self.forget(c)
                 elif oldest is None or c.idle_since < oldest:
                     oldest = c.idle_since
         if oldest is not None and not self._closed:
@@ -424,5 +432,4 @@ class H1Client:
         for connections in self._idle.values():
             for c in list(connections):
                 c.abort()
-                self.forget(c)
         self._idle.clear()
