@@ -733,6 +733,31 @@ async def test_the_bound_counts_idle_sockets_across_engines() -> None:
     assert at_accept and max(at_accept) <= 1, at_accept
 
 
+async def test_requests_at_the_bound_each_close_an_idle_socket_for_their_own() -> None:
+    """The data plane's pattern at the bound: every socket sits idle to the prefill engine
+    when as many requests at once need the decode engine. Each closes an idle socket of its
+    own and opens one; none waits for another to finish (a second waiter once slept until a
+    socket came free on its own), and the bound holds throughout."""
+    ports: set[int] = set()
+    at_accept: list[int] = []
+
+    async def handler(peer: Peer) -> None:
+        at_accept.append(client_sockets(ports))
+        await keep_alive()(peer)
+
+    async with raw_server(handler) as prefill, raw_server(handler) as decode:
+        ports.update({prefill.port, decode.port})
+        async with h1_client(limit=3) as client:
+            urls = [prefill.url + "/v1/completions"] * 3
+            assert await asyncio.gather(*(_fetch(client, u) for u in urls)) == [b"ok"] * 3
+            assert prefill.accepted == 3  # three sockets, all idle now
+            urls = [decode.url + "/v1/completions"] * 3
+            async with asyncio.timeout(1):
+                assert await asyncio.gather(*(_fetch(client, u) for u in urls)) == [b"ok"] * 3
+            assert decode.accepted == 3
+    assert max(at_accept) <= 3, at_accept
+
+
 async def test_an_idle_socket_is_closed_after_idle_s() -> None:
     """An idle keep-alive socket is kept at most `idle_s`, then closed by the client (before
     the engine's own keep-alive timeout would close it under a reuse); the next request

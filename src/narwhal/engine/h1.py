@@ -360,7 +360,7 @@ class H1Client:
                 self.forget(made[0])
             else:
                 self._open -= 1
-                self._wake_slot_waiter()
+                self._wake_slot_waiters()
             if isinstance(exc, OSError):
                 raise EngineConnectFailed(f"connect failed: {exc}") from exc
             raise
@@ -387,7 +387,7 @@ class H1Client:
             self._idle.setdefault(connection.origin, []).append(connection)
             if self._sweep is None:
                 self._sweep = self.loop.call_later(self._idle_s, self._close_expired)
-            self._wake_slot_waiter()  # a waiter may reuse it, or close it to open its own
+            self._wake_slot_waiters()  # a waiter may reuse it, or close it to open its own
         else:
             connection.abort()
 
@@ -401,14 +401,15 @@ class H1Client:
             idle = self._idle.get(connection.origin)
             if idle and connection in idle:
                 idle.remove(connection)
-            self._wake_slot_waiter()
+            self._wake_slot_waiters()
 
-    def _wake_slot_waiter(self) -> None:
+    def _wake_slot_waiters(self) -> None:
+        """Every waiter looks again: the first takes the free slot (or the idle socket), and
+        each of the others closes another idle socket for itself, or waits on."""
         while self._slot_waiters:
             waiter = self._slot_waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                return
 
     def _close_expired(self) -> None:
         """Close the sockets idle for `idle_s`; run again when the next one will have been."""
