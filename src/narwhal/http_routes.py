@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from narwhal.dataplane.errors import openai_error
+from narwhal.dataplane.exchange import AiohttpExchange
 from narwhal.dataplane.models import models_list
 from narwhal.state.handoff import newest
 
@@ -26,10 +27,12 @@ def add_routes(app: web.Application, router: Router) -> None:
     token = router.config.admin.resolve_token()
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await dataplane.handle("completions", request)
+        exchange = AiohttpExchange(request)
+        return exchange.response(await dataplane.handle("completions", exchange))
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await dataplane.handle("chat", request)
+        exchange = AiohttpExchange(request)
+        return exchange.response(await dataplane.handle("chat", exchange))
 
     async def models(request: web.Request) -> web.StreamResponse:
         return web.json_response(models_list(router.config.model))

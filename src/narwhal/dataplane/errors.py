@@ -5,6 +5,8 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from narwhal.dataplane.exchange import Answer
+
 
 def error_body(message: str, type_: str, code: int | str | None, param: str | None = None) -> bytes:
     return orjson.dumps(
@@ -26,6 +28,22 @@ def openai_error(
         body=error_body(message, type_, status, param),
         content_type="application/json",
         headers=headers,
+    )
+
+
+def error_answer(
+    status: int,
+    message: str,
+    type_: str,
+    outcome: str,
+    *,
+    param: str | None = None,
+    retry_after_s: int | None = None,
+) -> Answer:
+    """`openai_error` as the data plane's `Answer`, counted under `outcome`."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return Answer(
+        status, error_body(message, type_, status, param), "application/json", outcome, headers
     )
 
 

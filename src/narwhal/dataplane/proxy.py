@@ -15,13 +15,12 @@ from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
-from aiohttp import web
 
 from narwhal.clock import Clock
 from narwhal.config import Config, Role
-from narwhal.dataplane.errors import error_body, openai_error, sse_error_event
+from narwhal.dataplane.errors import error_answer, error_body, sse_error_event
+from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
@@ -56,13 +55,11 @@ from narwhal.telemetry.timeline import Timeline
 
 log = logging.getLogger("narwhal.proxy")
 
-_CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+# A write to a client that left (aiohttp's ClientConnectionResetError is one too).
+_CLIENT_GONE = ConnectionResetError
 # How long to wait, after [DONE], for the end of the engine's body so its connection can be
 # reused. The client's response is already complete; past this the connection is closed.
 _EOF_AFTER_DONE_S = 0.1
-# Request key: the outcome of a stream whose `[DONE]` has reached the client. Whatever happens
-# to the client afterwards (it may close at once, cancelling the handler) does not change it.
-_SETTLED_OUTCOME = web.RequestKey("narwhal_settled_outcome", str)
 
 
 class Gate(Protocol):
@@ -139,17 +136,18 @@ class DataPlane:
         self._leg_outcomes = Children(metrics.leg_outcomes)
 
     # ---------------------------------------------------------------- entry point
-    async def handle(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
+    async def handle(self, endpoint: Endpoint, exchange: Exchange) -> Result:
+        """Serve one request; the server sends an `Answer` once this returns."""
         start = self._clock.monotonic()
         outcome = "ok"
         try:
-            response = await self._handle(endpoint, request, start)
-            outcome = getattr(response, "_narwhal_outcome", "ok")
+            result = await self._handle(endpoint, exchange, start)
+            outcome = result.outcome
             await self._evidence.settled()  # what this request taught is applied first
-            return response
+            return result
         except asyncio.CancelledError:
             # A client that leaves after its stream's `[DONE]` was served: the outcome stands.
-            outcome = request.get(_SETTLED_OUTCOME, "client_disconnect")
+            outcome = exchange.settled_outcome or "client_disconnect"
             raise
         finally:
             elapsed = self._clock.monotonic() - start
@@ -157,25 +155,22 @@ class DataPlane:
             self._latency(endpoint).observe(elapsed)
             self._timeline.request(outcome, elapsed)
 
-    async def _handle(
-        self, endpoint: Endpoint, request: web.Request, start: float
-    ) -> web.StreamResponse:
+    async def _handle(self, endpoint: Endpoint, exchange: Exchange, start: float) -> Result:
         # The body first: a request that is wrong whatever the router's state gets its 4xx
         # even while admission is closed (a 503 would tell the client to retry it as is).
         try:
-            raw = await self._read_body(request)
+            raw = await self._read_body(exchange)
             req = parse_request(endpoint, raw, self._cfg.model)
         except BadRequest as exc:
-            return _tag(
-                openai_error(exc.status, exc.message, exc.type, param=exc.param), "bad_request"
-            )
+            return _bad_request(exc)
         closed = self._admission.closed_reason()
         if closed is not None:
-            return _tag(
-                openai_error(
-                    503, f"not admitting requests: {closed}", "service_unavailable", retry_after_s=1
-                ),
+            return error_answer(
+                503,
+                f"not admitting requests: {closed}",
+                "service_unavailable",
                 "not_admitted",
+                retry_after_s=1,
             )
         deadline = start + self._serving.request_timeout_s
         bounded = self._serving.policy == "bounded"
@@ -187,28 +182,27 @@ class DataPlane:
             elif not self.pool.try_acquire():
                 raise PoolExhausted("data pool exhausted")
         except PoolExhausted:
-            return _tag(
-                openai_error(
-                    503,
-                    "server saturated: no data connection available",
-                    "service_unavailable",
-                    retry_after_s=1,
-                ),
+            return error_answer(
+                503,
+                "server saturated: no data connection available",
+                "service_unavailable",
                 "saturated",
+                retry_after_s=1,
             )
         try:
-            return await self._serve(req, request, deadline)
+            return await self._serve(req, exchange, deadline)
         finally:
             self.pool.release()
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, exchange: Exchange) -> bytes:
         """The whole body, which may arrive in many chunks, up to `max_body_bytes`."""
         limit = self._serving.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
+        length = exchange.content_length
+        if length is not None and length > limit:
             raise BadRequest(413, f"request body exceeds {limit} bytes")
         chunks: list[bytes] = []
         size = 0
-        while chunk := await request.content.readany():
+        while chunk := await exchange.read_some():
             size += len(chunk)
             if size > limit:
                 raise BadRequest(413, f"request body exceeds {limit} bytes")
@@ -216,9 +210,7 @@ class DataPlane:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # ---------------------------------------------------------------- policy
-    async def _serve(
-        self, req: ClientRequest, request: web.Request, deadline: float
-    ) -> web.StreamResponse:
+    async def _serve(self, req: ClientRequest, exchange: Exchange, deadline: float) -> Result:
         attempts = self._serving.max_attempts if self._serving.policy == "bounded" else 1
         tried: set[str] = set()
         last: Exception | None = None
@@ -229,20 +221,12 @@ class DataPlane:
             try:
                 if number == 0:
                     await self._check_tokens(req, deadline, attempt)
-                return await self._attempt(req, request, deadline, attempt, tried)
+                return await self._attempt(req, exchange, deadline, attempt, tried)
             except BadRequest as exc:
-                return _tag(
-                    openai_error(exc.status, exc.message, exc.type, param=exc.param), "bad_request"
-                )
+                return _bad_request(exc)
             except ClientError as exc:
-                return _tag(
-                    web.Response(
-                        status=exc.status,
-                        body=exc.body,
-                        content_type=exc.content_type or "application/json",
-                    ),
-                    "client_error",
-                )
+                content_type = exc.content_type or "application/json"
+                return Answer(exc.status, exc.body, content_type, "client_error")
             except (EngineFailure, Saturated) as exc:
                 last = exc
                 if attempt.started:
@@ -250,12 +234,11 @@ class DataPlane:
                 if number + 1 < attempts:
                     self._metrics.retries.labels(_reason(exc)).inc()
             except NoCapacity as exc:
-                return _tag(
-                    openai_error(503, str(exc), "service_unavailable", retry_after_s=1),
-                    "no_capacity",
+                return error_answer(
+                    503, str(exc), "service_unavailable", "no_capacity", retry_after_s=1
                 )
             except DeadlineExceeded:
-                return _tag(openai_error(504, "request deadline exceeded", "timeout"), "deadline")
+                return error_answer(504, "request deadline exceeded", "timeout", "deadline")
         return _failure_response(last)
 
     async def _check_tokens(self, req: ClientRequest, deadline: float, attempt: _Attempt) -> None:
@@ -347,18 +330,18 @@ class DataPlane:
     async def _attempt(
         self,
         req: ClientRequest,
-        request: web.Request,
+        exchange: Exchange,
         deadline: float,
         attempt: _Attempt,
         tried: set[str],
-    ) -> web.StreamResponse:
+    ) -> Result:
         roles = self._fleet.needed_roles()
         if roles == (Role.BOTH,):
             with self._placed(Role.BOTH, tried) as engine:
                 body = self._adapters(engine.config).unified_body(req.body)
                 headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
                 return await self._final_leg(
-                    req, request, deadline, attempt, engine, body, headers, "unified"
+                    req, exchange, deadline, attempt, engine, body, headers, "unified"
                 )
         now = self._clock.monotonic()
         # Never spend a prefill whose KV nobody can read; /ready's precedence (readiness.py):
@@ -369,12 +352,12 @@ class DataPlane:
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
         with self._placed(Role.PREFILL, tried) as prefill:
             handoff = await self._prefill_leg(req, deadline, attempt, prefill)
-        if isinstance(handoff, web.StreamResponse):
+        if isinstance(handoff, Answer):
             return handoff
         try:
             with self._placed(Role.DECODE, tried) as decode:
                 return await self._decode_leg(
-                    req, request, deadline, attempt, prefill, decode, handoff
+                    req, exchange, deadline, attempt, prefill, decode, handoff
                 )
         finally:
             # Where only the decode can judge the handoff, the prefill's success (which clears
@@ -433,13 +416,13 @@ class DataPlane:
     async def _decode_leg(
         self,
         req: ClientRequest,
-        request: web.Request,
+        exchange: Exchange,
         deadline: float,
         attempt: _Attempt,
         prefill: EngineState,
         engine: EngineState,
         handoff: object,
-    ) -> web.StreamResponse:
+    ) -> Result:
         """Let the decode engine take the handoff, then run the final leg on it."""
         remaining = deadline - self._clock.monotonic()
         if remaining <= 0:
@@ -461,13 +444,13 @@ class DataPlane:
             except SlotsBusy as exc:
                 raise Saturated(str(exc)) from None
             return await self._final_leg(
-                req, request, deadline, attempt, engine, body, headers, "decode", producer=prefill
+                req, exchange, deadline, attempt, engine, body, headers, "decode", producer=prefill
             )
 
     async def _final_leg(
         self,
         req: ClientRequest,
-        request: web.Request,
+        exchange: Exchange,
         deadline: float,
         attempt: _Attempt,
         engine: EngineState,
@@ -475,7 +458,7 @@ class DataPlane:
         headers: dict[str, Any],
         leg: str,
         producer: EngineState | None = None,
-    ) -> web.StreamResponse:
+    ) -> Result:
         """The leg whose answer goes to the client; `producer` made the handoff it used."""
         url = engine.config.url + PATHS[req.endpoint]
         self._stats.request(engine.id)
@@ -498,9 +481,9 @@ class DataPlane:
             self._stats.latency(engine.id, time.perf_counter() - leg_start)
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
             self._check_recompute(attempt, producer, engine, reply.body)
-            return web.Response(body=reply.body, content_type=reply.content_type)
+            return Answer(200, reply.body, reply.content_type)
         return await self._stream(
-            request, deadline, attempt, engine, url, body, headers, leg, producer
+            exchange, deadline, attempt, engine, url, body, headers, leg, producer
         )
 
     def _check_recompute(
@@ -521,7 +504,7 @@ class DataPlane:
 
     async def _stream(
         self,
-        request: web.Request,
+        exchange: Exchange,
         deadline: float,
         attempt: _Attempt,
         engine: EngineState,
@@ -530,7 +513,7 @@ class DataPlane:
         headers: dict[str, Any],
         leg: str,
         producer: EngineState | None,
-    ) -> web.StreamResponse:
+    ) -> Result:
         """Forward an SSE stream as bytes, with first-token, idle and request deadlines."""
         loop = asyncio.get_running_loop()
         # Deadlines on the loop's clock (what asyncio.timeout uses), derived from ours.
@@ -538,9 +521,6 @@ class DataPlane:
         request_deadline = deadline + offset
         first_deadline = min(loop.time() + self._serving.first_token_timeout_s, request_deadline)
         idle_s = self._serving.stream_idle_timeout_s
-        client = web.StreamResponse(
-            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
         scanner = SseScanner()
         leg_start = last_chunk = time.perf_counter()
         resp: EngineResponse | None = None
@@ -579,7 +559,7 @@ class DataPlane:
                         now = time.perf_counter()
                         try:
                             if not attempt.started:
-                                await client.prepare(request)
+                                await exchange.start_stream()
                                 attempt.started = True
                                 watch.started()
                                 self._stats.latency(engine.id, now - leg_start)
@@ -590,7 +570,7 @@ class DataPlane:
                             else:
                                 self._metrics.inter_token.observe(now - last_chunk)
                                 self._stats.inter_token(engine.id, now - last_chunk)
-                            await client.write(chunk)
+                            await exchange.send(chunk)
                         except _CLIENT_GONE:
                             raise ClientGone() from None
                         last_chunk = now
@@ -607,8 +587,8 @@ class DataPlane:
             if watch.writing_expired:
                 # The client stopped reading and let the request's deadline pass: not an
                 # engine's fault. Cut it off so its data connection and the engine's slot free.
-                _cut_off(request)
-                return _tag(client, "deadline")
+                exchange.cut_off()
+                return Streamed("deadline")
             if loop.time() >= request_deadline - 1e-3 and attempt.started:
                 failure: Exception = DeadlineExceeded()
             else:
@@ -616,11 +596,11 @@ class DataPlane:
                 failure = self._fail(
                     engine, leg, EngineFailure(FailureClass.STREAM, which, timed_out=True)
                 )
-            return await self._end_stream(request, client, attempt, failure, request_deadline)
+            return await self._end_stream(exchange, attempt, failure, request_deadline)
         except EngineFailure as exc:
-            return await self._end_stream(request, client, attempt, exc, request_deadline)
+            return await self._end_stream(exchange, attempt, exc, request_deadline)
         except ClientGone:
-            return _tag(client, "client_disconnect")
+            return Streamed("client_disconnect")
         finally:
             if resp is not None and not complete:
                 resp.close()  # the engine sees the disconnect and aborts
@@ -628,7 +608,7 @@ class DataPlane:
             failure = self._fail(
                 engine, leg, EngineFailure(FailureClass.STREAM, "stream ended without [DONE]")
             )
-            return await self._end_stream(request, client, attempt, failure, request_deadline)
+            return await self._end_stream(exchange, attempt, failure, request_deadline)
         assert resp is not None
         outcome = "ok"
         if scanner.error is not None:
@@ -640,48 +620,45 @@ class DataPlane:
         else:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
             self._check_recompute(attempt, producer, engine, scanner.last)
-        request[_SETTLED_OUTCOME] = outcome
+        exchange.settled_outcome = outcome
         await self._evidence.settled()
         try:
-            if not await _finish(request, client, b"", request_deadline):
+            if not await _finish(exchange, b"", request_deadline):
                 outcome = "deadline"
         except BaseException:
             resp.close()
             raise
         await _release_at_eof(resp)
-        return _tag(client, outcome)
+        return Streamed(outcome)
 
     async def _end_stream(
         self,
-        request: web.Request,
-        client: web.StreamResponse,
+        exchange: Exchange,
         attempt: _Attempt,
         failure: Exception,
         until: float,
-    ) -> web.StreamResponse:
+    ) -> Result:
         """Before the first byte, let the policy answer; after it, end with an error event."""
         if not attempt.started:
             raise failure
         status, message = _status_for(failure)
         await self._evidence.settled()
-        await _finish(request, client, sse_error_event(message, "upstream_error", status), until)
-        return _tag(client, "upstream_error_midstream")
+        await _finish(exchange, sse_error_event(message, "upstream_error", status), until)
+        return Streamed("upstream_error_midstream")
 
 
-async def _finish(
-    request: web.Request, client: web.StreamResponse, last: bytes, until: float
-) -> bool:
+async def _finish(exchange: Exchange, last: bytes, until: float) -> bool:
     """Write `last` and end the client's response by `until` (loop time); False when the client
     did not take them in time and was cut off. A client that already left is not waited for."""
     try:
         async with asyncio.timeout_at(until):
             if last:
-                await client.write(last)
-            await client.write_eof()
+                await exchange.send(last)
+            await exchange.end()
     except _CLIENT_GONE:
         pass
     except TimeoutError:
-        _cut_off(request)
+        exchange.cut_off()
         return False
     return True
 
@@ -714,19 +691,6 @@ async def _release_at_eof(resp: EngineResponse) -> None:
         resp.release()  # closes the socket when the body's end never came
 
 
-def _cut_off(request: web.Request) -> None:
-    """Drop a client's connection at once: `abort`, since `close` would wait for the client to
-    read what is still buffered, which a stalled client never does."""
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
-
-
-def _tag(response: web.StreamResponse, outcome: str) -> web.StreamResponse:
-    response._narwhal_outcome = outcome  # type: ignore[attr-defined]
-    return response
-
-
 def _reason(exc: Exception) -> str:
     return exc.failure_class.value if isinstance(exc, EngineFailure) else "saturated"
 
@@ -741,22 +705,25 @@ def _status_for(exc: Exception | None) -> tuple[int, str]:
     return 502, "upstream failure"
 
 
-def _failure_response(exc: Exception | None) -> web.StreamResponse:
+def _failure_response(exc: Exception | None) -> Answer:
     if isinstance(exc, Saturated):
-        return _tag(
-            openai_error(503, f"server saturated: {exc}", "service_unavailable", retry_after_s=1),
-            "saturated",
+        return error_answer(
+            503, f"server saturated: {exc}", "service_unavailable", "saturated", retry_after_s=1
         )
     status, message = _status_for(exc)
     outcome = "upstream_timeout" if status == 504 else "upstream_error"
-    return _tag(openai_error(status, message, "upstream_error"), outcome)
+    return error_answer(status, message, "upstream_error", outcome)
 
 
-def _finished_response(req: ClientRequest, parsed: dict[str, Any]) -> web.StreamResponse:
+def _bad_request(exc: BadRequest) -> Answer:
+    return error_answer(exc.status, exc.message, exc.type, "bad_request", param=exc.param)
+
+
+def _finished_response(req: ClientRequest, parsed: dict[str, Any]) -> Answer:
     """The prefill's one token completed the request: answer it, as a stream if asked."""
     parsed.pop("kv_transfer_params", None)
     if not req.stream:
-        return web.Response(body=orjson.dumps(parsed), content_type="application/json")
+        return Answer(200, orjson.dumps(parsed), "application/json")
     choice = dict(parsed["choices"][0]) if parsed.get("choices") else {"index": 0}
     chunk: dict[str, Any] = {k: parsed.get(k) for k in ("id", "created", "model")}
     if req.endpoint == "chat":
@@ -772,4 +739,4 @@ def _finished_response(req: ClientRequest, parsed: dict[str, Any]) -> web.Stream
         usage = {**chunk, "choices": [], "usage": parsed["usage"]}
         events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
-    return web.Response(body=b"".join(events), content_type="text/event-stream")
+    return Answer(200, b"".join(events), "text/event-stream")

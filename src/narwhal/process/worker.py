@@ -26,12 +26,13 @@ from importlib import resources
 from typing import Any
 
 import aiohttp
+import orjson
 import uvloop
-from aiohttp import web
 
 from narwhal.clock import SystemClock
 from narwhal.config import Config, parse_config
-from narwhal.dataplane.errors import openai_error
+from narwhal.dataplane.errors import error_answer, error_body
+from narwhal.dataplane.exchange import Answer
 from narwhal.dataplane.models import models_list
 from narwhal.dataplane.pool import Pool
 from narwhal.dataplane.proxy import DataPlane
@@ -41,9 +42,9 @@ from narwhal.engine.transport import EngineClient
 from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
-from narwhal.http_errors import openai_http_errors
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.gate import CONTROL_LOST, GateData, WorkerGate
+from narwhal.process.h1_server import H1Server, Handler, ServerRequest
 from narwhal.process.reporter import Reporter
 from narwhal.process.table import (
     ENDPOINT_COLUMN,
@@ -111,6 +112,7 @@ class Worker:
             pool=self.pool,
         )
         self.control_socket: str = hello["control_socket"]
+        self._session: aiohttp.ClientSession | None = None  # to the control process
         self.drain = asyncio.Event()
         self.grace_s: float = hello["grace_s"]
 
@@ -140,30 +142,29 @@ class Worker:
         self.drain.set()
 
     # ---------------------------------------------------------------- HTTP
-    def build_app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=self.config.serving.max_body_bytes + 1024,
-            middlewares=[openai_http_errors],
-        )
+    def build_server(self) -> H1Server:
+        """The worker's routes on `H1Server`; every other path is the control process's."""
         dataplane, table, row = self.dataplane, self.table, self.index
-        header = {"X-Narwhal-Worker": str(self.index)}
+        worker = {"X-Narwhal-Worker": str(self.index)}
 
-        def endpoint(name: Any) -> Any:
+        def endpoint(name: Any) -> Handler:
             column = ENDPOINT_COLUMN[name]
 
-            async def handle(request: web.Request) -> web.StreamResponse:
+            async def handle(request: ServerRequest) -> None:
                 table.add(row, column, 1)  # what a crash of this worker would lose
                 try:
-                    return await dataplane.handle(name, request)
+                    result = await dataplane.handle(name, request)
                 finally:
                     table.add(row, column, -1)
+                if isinstance(result, Answer):
+                    request.answer(result)
 
             return handle
 
-        async def health(request: web.Request) -> web.StreamResponse:
-            return web.Response(text="ok", headers=header)
+        async def health(request: ServerRequest) -> None:
+            request.respond(200, b"ok", "text/plain", worker)
 
-        async def ready(request: web.Request) -> web.StreamResponse:
+        async def ready(request: ServerRequest) -> None:
             now = self.clock.monotonic()
             fleet = self.fleet
             reason = self.gate.ready(
@@ -171,60 +172,68 @@ class Worker:
                 fleet.roles_without_verified(),
             )
             if reason is None:
-                return web.Response(text="ready", headers=header)
-            return web.Response(status=503, text=reason, headers=header)
+                request.respond(200, b"ready", "text/plain", worker)
+            else:
+                request.respond(503, reason.encode(), "text/plain", worker)
 
-        async def models(request: web.Request) -> web.StreamResponse:
-            return web.json_response(models_list(self.config.model))
+        models_body = orjson.dumps(models_list(self.config.model))
+
+        async def models(request: ServerRequest) -> None:
+            request.respond(200, models_body, "application/json")
 
         page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
 
-        async def dashboard(request: web.Request) -> web.StreamResponse:
-            return web.Response(body=page, content_type="text/html")
+        async def dashboard(request: ServerRequest) -> None:
+            request.respond(200, page, "text/html")
 
-        session: aiohttp.ClientSession | None = None
+        routes: dict[str, dict[str, Handler]] = {
+            "/v1/completions": {"POST": endpoint("completions")},
+            "/v1/chat/completions": {"POST": endpoint("chat")},
+            "/v1/models": {"GET": models},
+            "/health": {"GET": health},
+            "/ready": {"GET": ready},
+            "/dashboard": {"GET": dashboard},
+        }
+        return H1Server(routes, self.forward)
 
-        async def forward(request: web.Request) -> web.StreamResponse:
-            """`/metrics`, `/admin/*` and anything unknown: answered by the control process."""
-            nonlocal session
-            if session is None:
-                session = aiohttp.ClientSession(
-                    connector=aiohttp.UnixConnector(path=self.control_socket, limit=8),
-                    auto_decompress=False,
+    async def forward(self, request: ServerRequest) -> None:
+        """`/metrics`, `/admin/*` and anything unknown: answered by the control process."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.control_socket, limit=8),
+                auto_decompress=False,
+            )
+        cap = self.config.serving.max_body_bytes + 1024
+        if request.content_length is not None and request.content_length > cap:
+            request.respond(
+                413, error_body(f"request body exceeds {cap} bytes", "invalid_request_error", 413),
+                "application/json",
+            )  # fmt: skip
+            return
+        body = await request.read()
+        headers = {
+            k: v
+            for k in ("Authorization", "Content-Type", "Accept")
+            if (v := request.headers.get(k.lower())) is not None
+        }
+        try:
+            async with self._session.request(
+                request.method, "http://control" + request.path_qs, data=body, headers=headers
+            ) as answer:
+                payload = await answer.read()
+                out = {
+                    k: v
+                    for k in ("WWW-Authenticate", "Retry-After", "Allow")
+                    if (v := answer.headers.get(k)) is not None
+                }
+                content_type = answer.headers.get("Content-Type", "application/octet-stream")
+                request.respond(answer.status, payload, content_type, out)
+        except (aiohttp.ClientError, OSError):
+            request.answer(
+                error_answer(
+                    503, CONTROL_LOST, "service_unavailable", "control_lost", retry_after_s=1
                 )
-            body = await request.read()
-            headers = {
-                k: v
-                for k in ("Authorization", "Content-Type", "Accept")
-                if (v := request.headers.get(k)) is not None
-            }
-            try:
-                async with session.request(
-                    request.method, "http://control" + request.path_qs, data=body, headers=headers
-                ) as answer:
-                    payload = await answer.read()
-                    out = {
-                        k: v
-                        for k in ("Content-Type", "WWW-Authenticate", "Retry-After", "Allow")
-                        if (v := answer.headers.get(k)) is not None
-                    }
-                    return web.Response(status=answer.status, body=payload, headers=out)
-            except (aiohttp.ClientError, OSError):
-                return openai_error(503, CONTROL_LOST, "service_unavailable", retry_after_s=1)
-
-        async def close_session(app: web.Application) -> None:
-            if session is not None:
-                await session.close()
-
-        app.on_cleanup.append(close_session)
-        app.router.add_post("/v1/completions", endpoint("completions"))
-        app.router.add_post("/v1/chat/completions", endpoint("chat"))
-        app.router.add_get("/v1/models", models)
-        app.router.add_get("/health", health)
-        app.router.add_get("/ready", ready)
-        app.router.add_get("/dashboard", dashboard)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        return app
+            )
 
     # ---------------------------------------------------------------- run
     async def ship_stats(self) -> None:
@@ -246,13 +255,9 @@ class Worker:
 
     async def run(self, host: str, port: int) -> None:
         await self.client.start()
-        runner = web.AppRunner(
-            self.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.0
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=True)
+        server = self.build_server()
         try:
-            await site.start()
+            await server.start(host, port)
             self.channel.send("ready", pid=os.getpid())
             async with asyncio.TaskGroup() as tg:
                 lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag))
@@ -260,15 +265,16 @@ class Worker:
                 await self.drain.wait()
                 self.gate.draining = True
                 # Stop accepting, close idle connections, let running requests finish
-                # within the grace, then cancel what is left.
-                runner._shutdown_timeout = self.grace_s
-                await runner.cleanup()
+                # within the grace, then cut off what is left.
+                await server.drain(self.grace_s)
                 lag.cancel()
                 stats.cancel()
             self.send_stats()  # the last counts, before the exit closes the channel
             self.channel.flush()
         finally:
-            await runner.cleanup()
+            await server.drain(0.0)
+            if self._session is not None:
+                await self._session.close()
             await self.client.close()
 
 
