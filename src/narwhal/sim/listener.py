@@ -20,7 +20,12 @@ class HttpListener:
     async def open(self) -> int:
         """Listen (again) on the port; an ephemeral port is fixed by the first open."""
         if self._site is None:
-            site = web.TCPSite(self._runner, self._host, self._port, reuse_address=True)
+            # vLLM's server (uvicorn) listens with a backlog of 2048; aiohttp's default of 128
+            # overflows when a router opens a few hundred connections at once, and the kernel
+            # drops the SYNs for a second.
+            site = web.TCPSite(
+                self._runner, self._host, self._port, reuse_address=True, backlog=2048
+            )
             await site.start()
             self._site = site
             self._port = site.port
