@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import pytest
 
-from narwhal.process.h1_server import KEEPALIVE_S, H1Server, Handler, ServerRequest
+from narwhal.process.h1_server import KEEPALIVE_S, LINGER_S, H1Server, Handler, ServerRequest
 from tests.support.poll import eventually
 
 HOST = "127.0.0.1"
@@ -159,13 +159,13 @@ async def serving(
     routes: Mapping[str, Mapping[str, Handler]],
     fallback: Handler = not_found,
     keepalive_s: float = KEEPALIVE_S,
+    linger_s: float = LINGER_S,
 ) -> AsyncIterator[tuple[H1Server, int]]:
     """An `H1Server` on a free loopback port, in this test's loop; drained (every connection
     aborted) at the end."""
-    server = H1Server(routes, fallback, keepalive_s=keepalive_s)
+    server = H1Server(routes, fallback, keepalive_s=keepalive_s, linger_s=linger_s)
     await server.start(HOST, 0)
-    assert server._server is not None
-    port = int(server.port)
+    port = server.port
     try:
         yield server, port
     finally:
@@ -599,11 +599,15 @@ async def test_a_stream_to_a_client_that_does_not_read_waits_then_delivers_every
     assert sent == blocks
 
 
-async def test_a_handler_that_answers_without_reading_the_body_closes_the_connection() -> None:
+@pytest.mark.parametrize("client_sends_the_rest", [True, False], ids=["rest-sent", "stalled"])
+async def test_a_handler_that_answers_without_reading_the_body_closes_the_connection(
+    client_sends_the_rest: bool,
+) -> None:
     """A handler that answers a large POST (8 MiB declared, a first piece sent) without
-    reading its body (what the worker's 413 does): the answer arrives, then the server
-    closes the connection, since the rest of the unread body leaves no request boundary to
-    keep it alive on."""
+    reading its body (what the worker's 413 does): the answer arrives at once and says
+    `Connection: close`; the server reads and drops the rest of the body, so a client still
+    sending can finish and read the answer, then closes: when the body ends, or after
+    `linger_s` if the client stops sending."""
     lengths: list[int | None] = []
 
     async def refuse(request: ServerRequest) -> None:
@@ -611,13 +615,17 @@ async def test_a_handler_that_answers_without_reading_the_body_closes_the_connec
         request.respond(413, b"request body too large", "text/plain")
 
     declared = 8 * 1024 * 1024
-    async with serving({"/upload": {"POST": refuse}}) as (server, port):
+    routes = {"/upload": {"POST": refuse}}
+    async with serving(routes, linger_s=0.2) as (server, port):
         async with connect(port) as client:
             client.send(get("/upload", f"Content-Length: {declared}", method="POST") + b"x" * 4096)
             reply = await client.reply()
+            if client_sends_the_rest:
+                client.send(b"x" * (declared - 4096))
             assert await client.until_closed() == b""
         await eventually(lambda: not server.connections, timeout_s=WAIT_S, what="forgotten")
     assert (reply.status, reply.body) == (413, b"request body too large")
+    assert reply.headers.get("connection") == "close"
     assert lengths == [declared]
 
 

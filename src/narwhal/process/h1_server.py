@@ -37,6 +37,10 @@ from narwhal.dataplane.exchange import SSE_HEADERS, Answer
 log = logging.getLogger("narwhal.worker.http")
 
 KEEPALIVE_S = 75.0  # aiohttp's default keepalive_timeout
+# After an answer given before its request's body had all arrived (a 413, say), the rest of
+# the body is read and dropped for up to this long before the connection closes, so the
+# client can finish sending and read the answer (aiohttp's lingering_time).
+LINGER_S = 10.0
 # Connections the kernel queues before this worker accepts them (capped by somaxconn): with
 # asyncio's default of 100, a burst of 256 new clients overflowed it and the dropped SYNs were
 # retried a second later (measured: p99 1.1 s in the router-bound bench at c=256).
@@ -89,6 +93,7 @@ class ServerRequest:
         self._waiter: asyncio.Future[None] | None = None
         self.answered = False  # a head went out
         self.finished = False  # the whole answer went out
+        self.discarding = False
         self._chunked = False
 
     @property
@@ -97,6 +102,8 @@ class ServerRequest:
 
     # ------------------------------------------------------------------ body
     def _feed(self, body: bytes) -> None:
+        if self.discarding:
+            return
         self._pieces.append(body)
         self._buffered += len(body)
         if self._buffered > _BODY_HIGH_WATER:
@@ -105,7 +112,15 @@ class ServerRequest:
 
     def _complete(self) -> None:
         self.body_complete = True
+        if self.discarding:
+            self._connection.close()  # the answer said `Connection: close`
         self._wake()
+
+    def discard_rest(self) -> None:
+        """Drop what is left of the body as it arrives (the answer is out)."""
+        self.discarding = True
+        self._pieces.clear()
+        self._buffered = 0
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -212,6 +227,7 @@ class ServerConnection(asyncio.Protocol):
         self._writable: asyncio.Future[None] | None = None
         self._paused_by: set[str] = set()
         self._idle: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -224,6 +240,8 @@ class ServerConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.server.settled()
         self._disarm_idle()
+        if self._linger is not None:
+            self._linger.cancel()
         for request in (self._parsing, *self._queue):
             if request is not None:
                 request._wake()
@@ -342,8 +360,14 @@ class ServerConnection(asyncio.Protocol):
             self._queue.popleft()
             self.resume_reading("queue")
         self.resume_reading("body")  # a body left unread no longer holds the connection
-        if not request.finished or not request.body_complete or not request._keep():
-            self.close()  # an unread body (or a stream cut short) leaves no clean boundary
+        if request.finished and not request.body_complete and not self.lost:
+            # Answered before the body was in: let the client finish sending and read the
+            # answer, then close (the head said so).
+            request.discard_rest()
+            self._linger = self.loop.call_later(self.server.linger_s, self.close)
+            return
+        if not request.finished or not request._keep():
+            self.close()  # a stream cut short, or the head said `Connection: close`
             return
         if self._queue:
             self._next()
@@ -429,11 +453,13 @@ class H1Server:
         routes: Mapping[str, Mapping[str, Handler]],
         fallback: Handler,
         keepalive_s: float = KEEPALIVE_S,
+        linger_s: float = LINGER_S,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self._routes = routes
         self._fallback = fallback
         self.keepalive_s = keepalive_s
+        self.linger_s = linger_s
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self.date = _Date()
