@@ -252,6 +252,8 @@ class ServerConnection(asyncio.Protocol):
             self._task.cancel()  # the client left: stop serving it
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # refused or closing: nothing more is parsed
         if self._reading_head:
             self._head_raw += len(data)
         try:
@@ -398,7 +400,7 @@ class ServerConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ transport
     def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.lost:
+        if self.transport is not None and not self.lost and not self.transport.is_closing():
             self.transport.write(data)
 
     async def send(self, data: bytes) -> None:
