@@ -204,18 +204,15 @@ class EngineClient:
 
     @asynccontextmanager
     async def deadline(self, pool: PoolKind, timeout_s: float) -> AsyncIterator[None]:
-        """One deadline of `timeout_s` for the whole request. The control pool first waits for
-        a free connection within it; the data pool's gate is the data plane's own
-        (`dataplane/pool.py`).
+        """One deadline of `timeout_s` for a whole control-pool request, waiting for a free
+        control connection included (the data pool's requests are bounded by their callers,
+        and its gate is the data plane's own, `dataplane/pool.py`).
 
         A control request that times out after queueing for more than half its timeout is
         `ControlPoolBusy`, not the engine's timeout: the engine was given too little of the
         deadline to judge it (frozen engines holding every control connection must not make
         the healthy ones queued behind them look silent)."""
-        if pool is not PoolKind.CONTROL:
-            async with asyncio.timeout(timeout_s):
-                yield
-            return
+        assert pool is PoolKind.CONTROL, "the data pool has no control slots"
         started = time.monotonic()
         async with self.control_slot(timeout_s):
             waited_s = time.monotonic() - started

@@ -240,7 +240,7 @@ class Worker:
         """Every `STATS_INTERVAL_S`: this worker's request counts and latency buckets, as
         deltas the control process merges into its windows and timeline."""
         while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
+            await self.clock.sleep(STATS_INTERVAL_S)
             self.send_stats()
 
     def send_stats(self) -> None:
