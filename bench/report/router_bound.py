@@ -364,8 +364,11 @@ def _intro(suite: dict[str, Any]) -> str:
         f"streaming; {suite['reps']} round(s) of {suite['run_s']:.1f} s per target, each after "
         "its own warm-up run (4 requests per client, outside the measurement), targets in a "
         "rotated order each round; medians shown. Narwhal runs once per `serving.workers` value "
-        f"({sweep}; `--workers-sweep` changes the list), with its defaults otherwise "
-        f"(`max_connections` 256, policy `single_attempt`); `auto` is the usable CPUs, "
+        f"({sweep}; `--workers-sweep` changes the list), with its defaults otherwise except "
+        f"`max_connections` {suite.get('max_connections', 256)} (sized for c=256: a request can "
+        "hold a socket to each engine at once; at the default 256 the c=256 cells measure the "
+        "bound, "
+        "docs/dataplane.md) and policy `single_attempt`; `auto` is the usable CPUs, "
         f"{suite.get('usable_cpus', '?')} here. Router CPU is utime + stime of every process of "
         "the router (the process started and its descendants: for Narwhal with workers the "
         "control process and its worker children), from /proc before and after the measured "
@@ -376,14 +379,11 @@ def _intro(suite: dict[str, Any]) -> str:
 
 
 _SATURATION = (
-    "`saturated` is Narwhal's 503 when a worker has no data connection left: each worker gets "
-    "an equal share of `serving.max_connections` (256 / N), the `single_attempt` policy does "
-    "not queue, and the kernel spreads the load generator's keep-alive connections over the "
-    "workers' `SO_REUSEPORT` listeners by a hash, never exactly evenly; so at c=256 the worker "
-    "holding more than its share refuses the excess (docs/design/workers.md §3 names this "
-    "cost). A refused request comes back at once and the closed loop sends the next, so the "
-    "counts grow with the run's length; cheap 503s also lower that cell's CPU per answered "
-    "request."
+    "`saturated` is Narwhal's 503 when every data connection of the router is in use "
+    "(`serving.max_connections`, one bound shared by the workers) and the `single_attempt` "
+    "policy does not queue. A refused request comes back at once and the closed loop sends the "
+    "next, so the counts grow with the run's length; cheap 503s also lower that cell's CPU per "
+    "answered request."
 )
 
 
@@ -466,6 +466,6 @@ def behind(suite: dict[str, Any]) -> list[str]:
             if sat:
                 out.append(
                     f"{MODES[stream]} c={c}: {target} refused {sat} requests as `saturated` "
-                    "(a worker's share of `max_connections` used up)."
+                    "(every data connection in use)."
                 )
     return out

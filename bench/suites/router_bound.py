@@ -53,6 +53,13 @@ METRICS = (
 _WORKER_MODULE = "narwhal.process.worker"
 
 
+# Sized for the load, as an operator would: each of c=256 requests can hold a socket to its
+# prefill and one to its decode engine at once. At the default (256) the c=256 cells would
+# measure the bound (sockets closed and reopened on every leg), not the router.
+MAX_CONNECTIONS = 1024
+NARWHAL = {"serving": {"max_connections": MAX_CONNECTIONS}}
+
+
 def narwhal_target(workers: str) -> str:
     """The bench's name for Narwhal with `serving.workers` = `workers` (bench.context)."""
     return f"narwhal-w{workers}"
@@ -280,7 +287,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     t0 = time.monotonic()
     routers: dict[str, Running] = {}
     try:
-        routers = await start_routers(ctx, names, engines)
+        routers = await start_routers(ctx, names, engines, NARWHAL)
         order0 = list(routers)
         for stream in ("no", "yes"):
             for c in mode.router_bound_c:
@@ -307,6 +314,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         "concurrency": list(mode.router_bound_c),
         "max_tokens": MAX_TOKENS,
         "prompt_words": PROMPT_WORDS,
+        "max_connections": MAX_CONNECTIONS,
         "run_s": mode.router_bound_s,
         "reps": mode.router_bound_reps,
         "usable_cpus": len(os.sched_getaffinity(0)),  # what `workers: auto` resolves to

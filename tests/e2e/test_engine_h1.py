@@ -27,6 +27,7 @@ from narwhal.engine.h1 import (
     H1Client,
 )
 from narwhal.engine.transport import EngineClient, PoolKind
+from narwhal.process.table import SOCKETS_OPEN, SOCKETS_WANTED, SharedSockets, WorkerTable
 from tests.support.poll import eventually
 from tests.support.sockets import client_ends, client_sockets
 
@@ -756,6 +757,89 @@ async def test_requests_at_the_bound_each_close_an_idle_socket_for_their_own() -
                 assert await asyncio.gather(*(_fetch(client, u) for u in urls)) == [b"ok"] * 3
             assert decode.accepted == 3
     assert max(at_accept) <= 3, at_accept
+
+
+@asynccontextmanager
+async def shared_clients(limit: int) -> AsyncIterator[tuple[H1Client, H1Client, WorkerTable]]:
+    """Two clients that share one bound the way two data-plane workers do: through the
+    workers' real table (one process here; `lockf` is the same lock for both)."""
+    table = WorkerTable.create(2, [])
+    a = H1Client(limit, shared=SharedSockets(table, 0, limit))
+    b = H1Client(limit, shared=SharedSockets(table, 1, limit))
+    try:
+        yield a, b, table
+    finally:
+        a.close()
+        b.close()
+        await eventually(lambda: table.total(SOCKETS_OPEN) == 0, what="every socket counted out")
+        table.close()
+
+
+async def test_a_shared_bound_makes_another_client_close_its_idle_sockets() -> None:
+    """Worker A's two sockets sit idle when worker B needs one, at a router-wide bound of 2:
+    B has none of its own to close, so it says it waits and A closes its oldest idle socket.
+    The bound holds at every accept, and the table counts each socket once."""
+    ports: set[int] = set()
+    at_accept: list[int] = []
+
+    async def handler(peer: Peer) -> None:
+        at_accept.append(client_sockets(ports))
+        await keep_alive()(peer)
+
+    async with (
+        raw_server(handler) as prefill,
+        raw_server(handler) as decode,
+        shared_clients(limit=2) as (a, b, table),
+    ):
+        ports.update({prefill.port, decode.port})
+        urls = [prefill.url + "/v1/completions"] * 2
+        assert await asyncio.gather(*(_fetch(a, u) for u in urls)) == [b"ok"] * 2
+        assert (table.get(0, SOCKETS_OPEN), table.total(SOCKETS_OPEN)) == (2, 2)
+        async with asyncio.timeout(1):
+            assert await _fetch(b, decode.url + "/v1/completions") == b"ok"
+        assert (table.get(0, SOCKETS_OPEN), table.get(1, SOCKETS_OPEN)) == (1, 1)
+        assert table.total(SOCKETS_WANTED) == 0
+    assert at_accept and max(at_accept) <= 2, at_accept
+
+
+async def test_a_socket_given_back_while_another_client_waits_is_closed_not_kept() -> None:
+    """Worker A uses both sockets of the bound; worker B waits for one. A socket A gives
+    back while B waits is closed at once (idle in A it would only keep B waiting), and B
+    opens its own."""
+    ports: set[int] = set()
+    at_accept: list[int] = []
+    go = asyncio.Event()
+
+    async def slow(peer: Peer) -> None:
+        at_accept.append(client_sockets(ports))
+        while (await peer.request()) is not None:
+            await go.wait()
+            peer.send(answer())
+
+    async def counted(peer: Peer) -> None:
+        at_accept.append(client_sockets(ports))
+        await keep_alive()(peer)
+
+    async with (
+        raw_server(slow) as prefill,
+        raw_server(counted) as decode,
+        shared_clients(limit=2) as (a, b, table),
+    ):
+        ports.update({prefill.port, decode.port})
+        held = [asyncio.create_task(_fetch(a, prefill.url + "/v1/completions")) for _ in range(2)]
+        await eventually(lambda: prefill.accepted == 2, what="both sockets in use")
+        waiting = asyncio.create_task(_fetch(b, decode.url + "/v1/completions"))
+        await eventually(lambda: table.total(SOCKETS_WANTED) == 1, what="B waits")
+        assert not waiting.done()
+        go.set()
+        async with asyncio.timeout(1):
+            assert await asyncio.gather(*held) == [b"ok"] * 2
+            # The first socket back is closed for B; the second too, unless B has its own.
+            assert a.idle_sockets <= 1
+            assert await waiting == b"ok"
+        assert decode.accepted == 1
+        assert table.get(0, SOCKETS_OPEN) <= 1
+    assert len(at_accept) == 3 and max(at_accept) <= 2, at_accept
 
 
 async def test_an_idle_socket_is_closed_after_idle_s() -> None:

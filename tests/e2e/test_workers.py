@@ -34,6 +34,7 @@ from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.router import StartRouter, router_config
 from tests.support.sim_process import SimFactory, SimProcess
+from tests.support.sockets import accepted_connections
 
 pytestmark = pytest.mark.slow
 
@@ -225,6 +226,56 @@ async def test_max_connections_bounds_the_router_not_each_worker(
         for r in responses:
             r.close()  # the clients leave; their engine legs are cancelled
     await eventually(lambda: rr.router.data_pool_usage() == (0, 0), what="every unit back")
+
+
+async def test_max_connections_bounds_the_routers_open_sockets_idle_ones_included(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    """Counted on the engines' side of the real connections: streams through worker 0 leave
+    its sockets idle when streams through worker 1 need new ones, and the router as a whole
+    never holds more than `max_connections` data sockets (plus the control pool's)."""
+    limit, control = 4, 1
+    rr = await _start(
+        start_router,
+        sims,
+        serving={"max_connections": limit},
+        engine={"control_connections": control},
+    )
+    ports = {sim.port for sim in sims}
+    peak, samples = 0, 0
+
+    async def sample() -> None:
+        nonlocal peak, samples
+        while True:
+            peak = max(peak, accepted_connections(ports))
+            samples += 1
+            await asyncio.sleep(0.002)
+
+    stream = {**BODY, "max_tokens": 10, "stream": True}
+    async with contextlib.AsyncExitStack() as stack:
+        waves = [
+            [await stack.enter_async_context(_pinned(rr.url, w)) for _ in range(limit)]
+            for w in (0, 1, 0, 1)
+        ]
+        sampler = asyncio.create_task(sample())
+        try:
+            for wave in waves:  # each wave needs sockets the one before left idle
+                async with asyncio.timeout(10):
+                    bodies = await asyncio.gather(
+                        *(_read(s, rr.url + "/v1/completions", stream) for s in wave)
+                    )
+                assert all(b.rstrip().endswith(b"data: [DONE]") for b in bodies), bodies
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+    assert samples > 50
+    assert peak <= limit + control, f"{peak} sockets open to the engines"
+
+
+async def _read(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
+    async with session.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.read()
 
 
 async def test_metrics_and_admin_read_the_same_through_every_worker(

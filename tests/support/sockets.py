@@ -32,3 +32,25 @@ def client_ends(ports: set[int]) -> Iterator[socket.socket]:
 
 def client_sockets(ports: set[int]) -> int:
     return sum(1 for _ in client_ends(ports))
+
+
+def accepted_connections(ports: set[int]) -> int:
+    """Established connections whose server end listens on one of `ports`, in any process of
+    this network namespace (read from /proc/net/tcp): what a router's worker processes hold
+    open to those servers, idle keep-alive sockets included."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            fd = os.open(table, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:  # one read: the kernel walks its table once, so the count is near a snapshot
+            lines = os.read(fd, 1 << 22).decode().splitlines()[1:]
+        finally:
+            os.close(fd)
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
+                count += 1
+    return count

@@ -10,7 +10,10 @@ needs little of it. This client does what the data plane needs and no more:
   arrives (`readany`), with back-pressure: reading pauses while a reader lags far behind;
 - bodies framed by `Content-Length`, chunked, or ended by the engine closing (HTTP/1.0 style);
 - keep-alive reuse, and one bound on open sockets, idle ones included: before a new socket
-  opens, the oldest idle ones (of any engine) are closed until it fits;
+  opens, the oldest idle ones (of any engine) are closed until it fits. With data-plane worker
+  processes the bound is the router's (a `SocketBudget` they share): a worker that needs a
+  socket when every one is open closes one of its own idle sockets, or, having none, waits
+  while the workers that hold idle ones close them;
 - HTTPS through `ssl`.
 
 Errors are `ConnectionError`s, which `transport.classify_exception` maps to the spec's
@@ -30,7 +33,7 @@ import ssl
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -39,6 +42,28 @@ _MAX_HEAD_BYTES = 64 * 1024
 _HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the engine pauses
 IDLE_S = 4.0
 _NO_BODY = frozenset({204, 304})
+# Another process that closes a socket cannot wake a waiter here: it looks again this often.
+_SHARED_POLL_S = 0.005
+# A client holding idle sockets looks this often whether other processes wait for one.
+_SHED_CHECK_S = 0.02
+
+
+class SocketBudget(Protocol):
+    """Open sockets shared with other processes' clients (`process/table.SharedSockets`)."""
+
+    def take(self) -> bool:
+        """Room for one more socket in the shared bound, taken now if there is."""
+        ...
+
+    def give_back(self) -> None: ...
+
+    def want(self, delta: int) -> None:
+        """Say that one more (or one fewer) request of this process waits for a socket."""
+        ...
+
+    def wanted_elsewhere(self) -> int:
+        """How many requests of other processes wait for a socket."""
+        ...
 
 
 class EngineConnectFailed(ConnectionError):
@@ -274,13 +299,20 @@ class EngineResponse:
 
 
 class H1Client:
-    """Keep-alive sockets to every engine of one pool, at most `limit` open in total."""
+    """Keep-alive sockets to every engine of one pool, at most `limit` open in total, and
+    within `shared`'s bound too when other processes share it."""
 
     def __init__(
-        self, limit: int, ssl_context: ssl.SSLContext | None = None, idle_s: float = IDLE_S
+        self,
+        limit: int,
+        ssl_context: ssl.SSLContext | None = None,
+        idle_s: float = IDLE_S,
+        shared: SocketBudget | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self._limit = limit
+        self._shared = shared
+        self._shed: asyncio.TimerHandle | None = None
         self._ssl = ssl_context  # made on the first HTTPS connection when not given
         self._idle_s = idle_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
@@ -290,6 +322,10 @@ class H1Client:
         self._targets: dict[tuple[str, str], _Target] = {}
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
+
+    @property
+    def idle_sockets(self) -> int:
+        return sum(len(connections) for connections in self._idle.values())
 
     async def request(
         self, method: str, url: str, body: bytes, headers: Mapping[str, str]
@@ -327,20 +363,9 @@ class H1Client:
                     connection._begin()
                     return connection
                 connection.abort()
-            if self._open < self._limit:
+            if self._open < self._limit and (self._shared is None or self._shared.take()):
                 break
-            # Close the oldest idle socket, unless one is closing already; then wait until a
-            # socket is really gone (asyncio closes an aborted one a loop iteration later), so
-            # the old socket never coexists with the new one, or one comes back idle.
-            if not self.closing:
-                self._evict_oldest()
-            waiter = self.loop.create_future()
-            self._slot_waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._slot_waiters:
-                    self._slot_waiters.remove(waiter)
+            await self._wait_for_slot()
         self._open += 1
         host, port, https = origin
         made: list[_Connection] = []
@@ -359,8 +384,7 @@ class H1Client:
             elif made:
                 self.forget(made[0])
             else:
-                self._open -= 1
-                self._wake_slot_waiters()
+                self._count_out()
             if isinstance(exc, OSError):
                 raise EngineConnectFailed(f"connect failed: {exc}") from exc
             raise
@@ -371,37 +395,83 @@ class H1Client:
             self._ssl = ssl.create_default_context()  # the system trust store, SSL_CERT_FILE
         return self._ssl
 
-    def _evict_oldest(self) -> None:
+    async def _wait_for_slot(self) -> None:
+        """Close the oldest idle socket, unless one is closing already; then wait until a
+        socket is really gone (asyncio closes an aborted one a loop iteration later), so the
+        old socket never coexists with the new one, or one comes back idle. With no idle
+        socket of its own under a shared bound, wait while other processes close theirs."""
+        if not self.closing:
+            self._evict_oldest()
+        waiter = self.loop.create_future()
+        self._slot_waiters.append(waiter)
+        shared = self._shared
+        try:
+            if shared is None:
+                await waiter
+            else:
+                shared.want(1)
+                try:
+                    await asyncio.wait({waiter}, timeout=_SHARED_POLL_S)
+                finally:
+                    shared.want(-1)
+        finally:
+            if waiter in self._slot_waiters:
+                self._slot_waiters.remove(waiter)
+
+    def _evict_oldest(self) -> bool:
+        """Close the idle socket unused for longest; False if there is none."""
         oldest: _Connection | None = None
         for connections in self._idle.values():
             for c in connections:
                 if oldest is None or c.idle_since < oldest.idle_since:
                     oldest = c
-        if oldest is not None:
-            self._idle[oldest.origin].remove(oldest)
-            oldest.abort()
+        if oldest is None:
+            return False
+        self._idle[oldest.origin].remove(oldest)
+        oldest.abort()
+        return True
 
     def put_back(self, connection: _Connection) -> None:
-        if connection.reusable() and not self._closed:
-            connection.idle_since = self.loop.time()
-            self._idle.setdefault(connection.origin, []).append(connection)
-            if self._sweep is None:
-                self._sweep = self.loop.call_later(self._idle_s, self._close_expired)
-            self._wake_slot_waiters()  # a waiter may reuse it, or close it to open its own
-        else:
+        if not connection.reusable() or self._closed:
             connection.abort()
+            return
+        if self._shared is not None and self._shed is None:
+            self._shed = self.loop.call_later(_SHED_CHECK_S, self._shed_for_others)
+        connection.idle_since = self.loop.time()
+        self._idle.setdefault(connection.origin, []).append(connection)
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(self._idle_s, self._close_expired)
+        self._wake_slot_waiters()  # a waiter may reuse it, or close it to open its own
+
+    def _shed_for_others(self) -> None:
+        """While this client holds idle sockets: close as many as other processes wait for
+        (less those closing already), oldest first."""
+        self._shed = None
+        assert self._shared is not None
+        wanted = self._shared.wanted_elsewhere() - self.closing
+        while wanted > 0 and self._evict_oldest():
+            wanted -= 1
+        if not self._closed and self.idle_sockets:
+            self._shed = self.loop.call_later(_SHED_CHECK_S, self._shed_for_others)
 
     def forget(self, connection: _Connection) -> None:
         """A socket closed: it no longer counts against the bound."""
         if connection.counted:
             connection.counted = False
-            self._open -= 1
             if connection.closing:
                 self.closing -= 1
             idle = self._idle.get(connection.origin)
             if idle and connection in idle:
                 idle.remove(connection)
-            self._wake_slot_waiters()
+            self._count_out()
+
+    def _count_out(self) -> None:
+        self._open -= 1
+        if self._shared is not None:
+            # asyncio tells `connection_lost` before it closes the socket: other processes
+            # get the room once it is closed (an engine never sees one socket too many).
+            self.loop.call_soon(self._shared.give_back)
+        self._wake_slot_waiters()
 
     def _wake_slot_waiters(self) -> None:
         """Every waiter looks again: the first takes the free slot (or the idle socket), and
@@ -428,8 +498,9 @@ class H1Client:
 
     def close(self) -> None:
         self._closed = True
-        if self._sweep is not None:
-            self._sweep.cancel()
+        for timer in (self._sweep, self._shed):
+            if timer is not None:
+                timer.cancel()
         for connections in self._idle.values():
             for c in list(connections):
                 c.abort()

@@ -30,6 +30,7 @@ from narwhal.engine.h1 import (
     EngineProtocolError,
     EngineResponse,
     H1Client,
+    SocketBudget,
 )
 
 
@@ -132,20 +133,26 @@ class EngineClient:
     """Owns the two pools' clients; created and closed inside the running loop."""
 
     def __init__(
-        self, data_limit: int, control_limit: int, ssl_context: ssl.SSLContext | None = None
+        self,
+        data_limit: int,
+        control_limit: int,
+        ssl_context: ssl.SSLContext | None = None,
+        data_sockets: SocketBudget | None = None,
     ) -> None:
         """`ssl_context`: how HTTPS engines are verified (default: the system trust store,
-        which honours SSL_CERT_FILE)."""
+        which honours SSL_CERT_FILE). `data_sockets`: the data pool's open sockets as shared
+        with the other data-plane workers."""
         self._data_limit = data_limit
         self._control_limit = control_limit
         self._ssl = ssl_context
+        self._data_sockets = data_sockets
         self._data: H1Client | None = None
         self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
         self._control = asyncio.Semaphore(control_limit)
         self.control_in_use = 0
 
     async def start(self) -> None:
-        self._data = H1Client(self._data_limit, self._ssl)
+        self._data = H1Client(self._data_limit, self._ssl, shared=self._data_sockets)
         self._sessions[PoolKind.CONTROL] = aiohttp.ClientSession(
             connector=_connector(self._control_limit, self._ssl),
             timeout=aiohttp.ClientTimeout(total=None),

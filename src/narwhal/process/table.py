@@ -6,11 +6,13 @@ is at most one update behind, which placement and drain settling tolerate.
 
 Row layout: `[0]` completions and `[1]` chat requests in progress (what a crash loses),
 `[2]` data connections in use, `[3]` requests waiting for one, `[4..6]` placements made per
-role (their sum over rows is the router's rotation), `[7 + c]` in flight on engine column `c`
-(the config's order).
+role (their sum over rows is the router's rotation), `[7]` sockets open to engines (idle
+keep-alive ones included), `[8]` legs waiting for a socket, `[9 + c]` in flight on engine
+column `c` (the config's order).
 
-Two steps take the table's lock (`lockf`, dropped by the kernel if its holder dies), each for
-a few memory reads and never across an await: taking a data connection, and placing a leg.
+Three steps take the table's lock (`lockf`, dropped by the kernel if its holder dies), each
+for a few memory reads and never across an await: taking a data connection, opening a socket,
+and placing a leg.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from narwhal.fleet.inflight import Choose
 
 COMPLETIONS, CHAT, POOL_IN_USE, POOL_WAITING = 0, 1, 2, 3
 TURN_COLUMN = {"prefill": 4, "decode": 5, "both": 6}
-_FIXED = 7
+SOCKETS_OPEN, SOCKETS_WANTED = 7, 8
+_FIXED = 9
 ENDPOINT_COLUMN = {"completions": COMPLETIONS, "chat": CHAT}
 
 
@@ -131,3 +134,38 @@ class SharedBudget:
 
     def give_back(self) -> None:
         self._table.add(self._row, POOL_IN_USE, -1)
+
+
+class SharedSockets:
+    """The router's open engine sockets, as an `engine.h1.SocketBudget` of worker `row`.
+
+    Connections in use are bounded by `SharedBudget`; this bounds what they leave behind, the
+    idle keep-alive sockets, so that `serving.max_connections` is the router's number of
+    sockets to its engines. A socket is counted from before it is opened until it is closed.
+    A worker that finds the bound reached closes one of its own idle sockets; when it has
+    none, it says it waits (`SOCKETS_WANTED`), and the workers holding idle sockets close
+    them (`engine/h1.py`)."""
+
+    def __init__(self, table: WorkerTable, row: int, limit: int) -> None:
+        self._table = table
+        self._row = row
+        self._limit = limit
+
+    def take(self) -> bool:
+        table = self._table
+        with table.locked():
+            if table.total(SOCKETS_OPEN) >= self._limit:
+                return False
+            table.add(self._row, SOCKETS_OPEN, 1)
+            return True
+
+    def give_back(self) -> None:
+        self._table.add(self._row, SOCKETS_OPEN, -1)
+
+    def want(self, delta: int) -> None:
+        self._table.add(self._row, SOCKETS_WANTED, delta)
+
+    def wanted_elsewhere(self) -> int:
+        """How many legs of other workers wait for a socket."""
+        table = self._table
+        return table.total(SOCKETS_WANTED) - table.get(self._row, SOCKETS_WANTED)

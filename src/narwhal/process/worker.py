@@ -51,6 +51,7 @@ from narwhal.process.table import (
     POOL_WAITING,
     SharedBudget,
     SharedInFlight,
+    SharedSockets,
     WorkerTable,
 )
 from narwhal.telemetry import logs
@@ -93,7 +94,7 @@ class Worker:
         self.stats = IntervalStats(float("inf"), self.clock.monotonic())
         self.timeline = Timeline()
         limit = config.serving.max_connections
-        self.client = EngineClient(limit, 1)
+        self.client = EngineClient(limit, 1, data_sockets=SharedSockets(self.table, index, limit))
         budget = SharedBudget(self.table, index, limit)
         self.pool = Pool("data", limit, on_change=self._mirror_waiting, shared=budget)
         self.metrics = DataMetrics()  # built after `_use_multiprocess_metrics`
