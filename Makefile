@@ -58,7 +58,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench --mode quick --report bench-results/quick.md --results bench-results
 
-# Chaos soak (docs/benchmarks.md, "Chaos soak"): Narwhal's active/standby pair, then each peer,
+# Chaos soak (docs/soak.md): Narwhal's active/standby pair, then each peer,
 # 3 minutes each under a seeded fault schedule (SEED=n to change it); ~11 min on 2 cores.
 SEED ?= 99
 soak: $(STAMP)

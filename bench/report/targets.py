@@ -78,6 +78,29 @@ def streams(suites: dict[str, Any]) -> Verdict:
     return Verdict(name, text, met)
 
 
+# One aiohttp process before issue 17: router CPU per streamed chunk at 1,000 streams
+# (docs/performance-log.md, "Data-plane workers").
+BASE_US_PER_CHUNK = 107.0
+
+
+def stream_chunks(suites: dict[str, Any]) -> Verdict:
+    """Issue 17: at 1,000 streams, at least 2x the chunks per router core of one process."""
+    s = suites.get("streams") or {}
+    rows = [r for r in s.get("rows", []) if r["target"] == "narwhal"]
+    name = (
+        f"At 1,000 concurrent streams: ≥ 2x the chunks/s per router core of one process "
+        f"before issue 17 ({BASE_US_PER_CHUNK:.0f} µs of CPU per chunk), no stalls"
+    )
+    if not rows or rows[0].get("cpu_us_per_chunk") is None:
+        return Verdict(name, "-", None)
+    r = rows[0]
+    us = r["cpu_us_per_chunk"]
+    gain = BASE_US_PER_CHUNK / us
+    text = f"{us:.1f} µs/chunk over all the router's processes: {gain:.2f}x; {r['stalls']} stalls"
+    met = gain >= 2 and r["stalls"] == 0 if s["streams"] >= 1000 else None
+    return Verdict(name, text, met)
+
+
 def faults(suites: dict[str, Any]) -> list[Verdict]:
     f = suites.get("faults") or {}
     rows = f.get("rows", [])
@@ -165,6 +188,7 @@ def verdicts(suites: dict[str, Any]) -> list[Verdict]:
         throughput(suites),
         added_latency(suites),
         streams(suites),
+        stream_chunks(suites),
         *faults(suites),
         *router_bound(suites),
     ]

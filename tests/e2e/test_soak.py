@@ -1,7 +1,7 @@
 """The chaos soak, 60 seconds in CI: Narwhal's active/standby pair under mixed load while the
 seeded schedule kills, freezes and faults engines, moves the handoff directory away, kills the
 active router and drains engines. Every invariant count must be 0, and goodput non-trivial.
-The long version with the peers is `make soak` (docs/benchmarks.md, "Chaos soak")."""
+The long version with the peers is `make soak` (docs/soak.md)."""
 
 from __future__ import annotations
 

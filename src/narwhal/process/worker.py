@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the control process decides
     # The data plane runs on uvloop: with the engine legs on protocols (engine/h1.py) the
-    # event loop is a large share of a request's CPU (docs/benchmarks.md, "uvloop in the
+    # event loop is a large share of a request's CPU (docs/performance-log.md, "uvloop in the
     # workers"). The control process stays on asyncio.
     with (
         contextlib.suppress(ConnectionError),
