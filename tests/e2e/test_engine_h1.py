@@ -802,10 +802,12 @@ async def test_a_shared_bound_makes_another_client_close_its_idle_sockets() -> N
     assert at_accept and max(at_accept) <= 2, at_accept
 
 
-async def test_a_socket_given_back_while_another_client_waits_is_closed_not_kept() -> None:
-    """Worker A uses both sockets of the bound; worker B waits for one. A socket A gives
-    back while B waits is closed at once (idle in A it would only keep B waiting), and B
-    opens its own."""
+async def test_a_client_that_waits_gets_a_socket_another_gave_back_idle() -> None:
+    """Worker A uses both sockets of the bound; worker B waits for one. The sockets A gives
+    back go idle (A reuses them), and A closes one within its 20 ms look at who waits, so B
+    opens its own well within a second; the bound holds at every accept. (Closing every
+    socket given back while another waits was measured: neither worker then ever reused a
+    socket, 1.8x the CPU per request at the bound; docs/performance-log.md.)"""
     ports: set[int] = set()
     at_accept: list[int] = []
     go = asyncio.Event()
@@ -834,8 +836,6 @@ async def test_a_socket_given_back_while_another_client_waits_is_closed_not_kept
         go.set()
         async with asyncio.timeout(1):
             assert await asyncio.gather(*held) == [b"ok"] * 2
-            # The first socket back is closed for B; the second too, unless B has its own.
-            assert a.idle_sockets <= 1
             assert await waiting == b"ok"
         assert decode.accepted == 1
         assert table.get(0, SOCKETS_OPEN) <= 1
