@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -456,4 +458,38 @@ async def test_sigterm_lets_a_running_stream_finish(router_process: _RouterProce
             await eventually(lambda: _refused(router_process.port), what="port closed")
             body = await r.read()
         assert body.rstrip().endswith(b"data: [DONE]")
+    assert router_process.wait(10) == 0
+
+
+async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
+    router_process: _RouterProcess,
+) -> None:
+    """A request whose body is still arriving when SIGTERM comes keeps its connection through
+    the drain. When its body ends, well past the control window (0.5 s), it is refused as
+    `draining`: the control process keeps its heartbeats going while the workers drain, so
+    they never take it for lost."""
+    await _worker_pids(router_process.url)
+    body = json.dumps({**BODY, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", router_process.port)
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10]
+        )
+        await writer.drain()
+        router_process.signal(signal.SIGTERM)
+        await eventually(lambda: _refused(router_process.port), what="draining: port closed")
+        # Time itself is what is tested here: the worker's trust in its control process
+        # lapses 0.5 s after the last heartbeat, so wait out twice that.
+        await asyncio.sleep(1.0)
+        writer.write(body[10:])
+        await writer.drain()
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])  # type: ignore[index]
+            answer = json.loads(await reader.readexactly(length))
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert "draining: shutting down" in answer["error"]["message"], answer
+    finally:
+        writer.close()
     assert router_process.wait(10) == 0

@@ -178,9 +178,13 @@ class Supervisor:
         async with asyncio.TaskGroup() as tg:
             for w in self.workers:
                 tg.create_task(self._watch(w))
-            while True:
-                self._send_gate()
-                await self._clock.sleep(self._window_s / 4)
+            await self._heartbeats()
+
+    async def _heartbeats(self) -> None:
+        """Keep the workers' gate valid, and current, until cancelled."""
+        while True:
+            self._send_gate()
+            await self._clock.sleep(self._window_s / 4)
 
     async def stop(self, grace_s: float) -> None:
         """Drain: each worker stops accepting and finishes its requests within `grace_s`;
@@ -192,9 +196,14 @@ class Supervisor:
                 w.channel.flush()
         procs = list(self._procs.values())
         if procs:
-            _, pending = await asyncio.wait(
-                [asyncio.ensure_future(p.wait()) for p in procs], timeout=grace_s + 2.0
-            )
+            # Heartbeats go on while the workers drain: their `/ready` says `draining`, not
+            # `control process lost` (this process is alive, only `run` has ended).
+            async with asyncio.TaskGroup() as tg:
+                beats = tg.create_task(self._heartbeats())
+                _, pending = await asyncio.wait(
+                    [asyncio.ensure_future(p.wait()) for p in procs], timeout=grace_s + 2.0
+                )
+                beats.cancel()
             for p in procs:
                 if p.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
