@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from narwhal.clock import FakeClock
 from narwhal.sim.faults import FaultBook, FaultKind, FaultSpec
-from narwhal.sim.generation import VOCAB, generate, text_of, word_indices
+from narwhal.sim.generation import VOCAB, RollingDigest, generate, text_of
 from narwhal.sim.handoff import GARBAGE_PARAMS, parse_handoff, produced_params
 from narwhal.sim.kv import BLOCK_SIZE, blocks_of, context_from_blocks, digest
 from narwhal.sim.kv_store import KvLoadError, KvStore
@@ -56,37 +56,61 @@ def test_the_kv_wins_over_the_local_prompt() -> None:
 
 
 @settings(deadline=None)
-@given(st.binary(min_size=16, max_size=16), st.integers(1, 200), st.integers(0, 100))
-def test_generation_is_a_prefix_stable_function_of_the_digest(d: bytes, n: int, k: int) -> None:
-    assert word_indices(d, n) == word_indices(d, n + k)[:n]
-    assert generate(d, n).indices == tuple(word_indices(d, n))
-    assert generate(d, n).finish_reason == "length"
+@given(st.lists(st.integers(0, 1 << 20), min_size=1, max_size=40), st.integers(1, 60))
+def test_generation_is_a_prefix_stable_function_of_the_context(ids: list[int], n: int) -> None:
+    assert generate(ids, n).indices == generate(ids, n + 7).indices[:n]
+    assert generate(ids, n).finish_reason == "length"
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 1 << 20), min_size=1, max_size=40), st.integers(0, 40))
+def test_a_generation_continued_from_its_first_k_tokens_is_the_rest_of_it(
+    ids: list[int], k: int
+) -> None:
+    """What a router's migration relies on: prompt + the delivered token ids as the new
+    prompt give exactly the tokens that were not delivered yet, and their text joins."""
+    whole = generate(ids, 40)
+    rest = generate([*ids, *whole.token_ids[:k]], 40 - k)
+    assert whole.indices[:k] + rest.indices == whole.indices
+    assert text_of(whole.indices[:k]) + text_of(rest.indices) == text_of(whole.indices)
+
+
+def test_the_rolling_digest_is_the_kv_digest_at_every_length() -> None:
+    ids = list(range(100, 150))
+    rolling = RollingDigest(ids[:5])
+    for n in range(5, 50):
+        assert rolling.value() == digest(ids[:n])
+        rolling.append(ids[n])
 
 
 def test_a_stop_word_ends_generation_unemitted_after_min_tokens() -> None:
-    d = digest(tokenize("a prompt of some words"))
-    words = [VOCAB[i] for i in word_indices(d, 8)]
+    ids = tokenize("a prompt of some words")
+    words = [VOCAB[i] for i in generate(ids, 8).indices]
     third = words[2]
     cut = words.index(third)  # the first occurrence
-    stopped = generate(d, 8, [f" {third} "])
+    stopped = generate(ids, 8, [f" {third} "])
     assert stopped.finish_reason == "stop"
     assert stopped.stop_reason == f" {third} "
     assert [VOCAB[i] for i in stopped.indices] == words[:cut]
-    assert len(generate(d, 8, [third], min_tokens=cut + 1).indices) > cut
+    assert len(generate(ids, 8, [third], min_tokens=cut + 1).indices) > cut
 
 
 def _events(env: Envelope, indices: tuple[int, ...], finish: str) -> list[dict[str, Any]]:
     tpl = ChunkTemplate(env)
-    raw = [tpl.token(w, i) for i, w in enumerate(indices)]
-    raw.append(tpl.final("", finish, None))
+    raw = [tpl.token(w) for w in indices]
+    raw.append(tpl.final(None, finish, None))
     return [json.loads(e.removeprefix(b"data: ")) for e in raw]
 
 
 @settings(deadline=None)
-@given(st.binary(min_size=16, max_size=16), st.integers(1, 40), st.booleans())
-def test_streamed_chunks_are_json_and_add_up_to_the_answer(d: bytes, n: int, chat: bool) -> None:
+@given(
+    st.lists(st.integers(0, 1 << 20), min_size=1, max_size=20), st.integers(1, 40), st.booleans()
+)
+def test_streamed_chunks_are_json_and_add_up_to_the_answer(
+    ids: list[int], n: int, chat: bool
+) -> None:
     env = Envelope(chat=chat, id="cmpl-x", created=1, model='m"odel')
-    gen = generate(d, n)
+    gen = generate(ids, n)
     chunks = _events(env, gen.indices, "length")
     key = "delta" if chat else "text"
     texts = [c["choices"][0][key]["content"] if chat else c["choices"][0][key] for c in chunks]
@@ -249,3 +273,28 @@ def test_request_log_keeps_the_last_200() -> None:
         "body": {"i": 249},
         "leg": "unified",
     }
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_token_ids_asked_for_come_with_every_chunk_and_the_prompt_once(chat: bool) -> None:
+    """vLLM's `return_token_ids`: completions put the prompt's ids on the first token's
+    choice, chat at the top of the role event; every content event has its `token_ids`."""
+    prompt = (5, 6, 7)
+    env = Envelope(chat=chat, id="x", created=1, model="m", prompt_ids=prompt)
+    gen = generate(list(prompt), 5)
+    tpl = ChunkTemplate(env)
+    raw = ([tpl.role()] if chat else []) + [tpl.token(w) for w in gen.indices[:-1]]
+    raw.append(tpl.final(gen.indices[-1], "length", None))
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in raw]
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert ids == list(gen.token_ids)
+    if chat:
+        assert chunks[0]["prompt_token_ids"] == list(prompt)
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+    else:
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == list(prompt)
+        assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    body = response_body(env, gen, usage(3, 5, 0), {})
+    assert body["choices"][0]["token_ids"] == list(gen.token_ids)
+    where = body if chat else body["choices"][0]
+    assert where["prompt_token_ids"] == list(prompt)

@@ -187,6 +187,9 @@ class SimApp:
             id=("chatcmpl-" if chat else "cmpl-") + request_id,
             created=int(self._clock.wall()),
             model=self._model_name(leg),
+            prompt_ids=outcome.prompt_ids
+            if body.return_token_ids and self._config.token_ids
+            else None,
         )
         if body.stream:
             return await write_stream(
@@ -198,14 +201,21 @@ class SimApp:
         return json_response(response_body(env, outcome.generated, use, outcome.extra))
 
     def _stream_faults(self, leg: Leg) -> StreamFaults:
+        def after(kind: FaultKind) -> int | None:
+            """Tokens sent before the fault acts (default 1); None: it does not fire."""
+            fired = self._faults.fire(kind, leg)
+            if fired is None:
+                return None
+            return 1 if fired.spec.after_tokens is None else fired.spec.after_tokens
+
         stall = self._faults.fire(FaultKind.STALL_MID_STREAM, leg)
-        after = None if stall is None else stall.spec.after_tokens
+        stall_after = None if stall is None else stall.spec.after_tokens
         return StreamFaults(
-            stall_after_tokens=None if stall is None else 1 if after is None else after,
+            stall_after_tokens=None if stall is None else 1 if stall_after is None else stall_after,
             stall_s=None if stall is None else stall.spec.delay_s,
             no_done=self._faults.fire(FaultKind.NO_DONE, leg) is not None,
-            malformed=self._faults.fire(FaultKind.MALFORMED_EVENT, leg) is not None,
-            error_event=self._faults.fire(FaultKind.ERROR_EVENT, leg) is not None,
+            malformed_after=after(FaultKind.MALFORMED_EVENT),
+            error_after=after(FaultKind.ERROR_EVENT),
         )
 
     # --- probes other routers send ----------------------------------------------------------

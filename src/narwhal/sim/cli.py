@@ -76,6 +76,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         default=d.kv_load_failure_policy.value,
     )
     p.add_argument("--kv-load-timeout-s", type=POSITIVE, default=d.kv_load_timeout_s)
+    p.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="ignore return_token_ids, as an engine without token ids in its answers",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed ids and fault probabilities")
     p.add_argument(
         "--fault",
@@ -128,6 +133,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         kv_ttl_s=args.kv_ttl_s,
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         kv_load_timeout_s=args.kv_load_timeout_s,
+        token_ids=not args.no_token_ids,
     )
 
 

@@ -45,6 +45,9 @@ class SimConfig:
     kv_ttl_s: float = 30.0
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
     kv_load_timeout_s: float = 5.0
+    # Whether `return_token_ids` is honoured (vLLM >= 0.10.2 does; off, the sim is an engine
+    # that gives no token ids, which a router can continue only from text).
+    token_ids: bool = True
 
     @property
     def advertised_host(self) -> str:

@@ -18,7 +18,7 @@ from narwhal.sim.config import KvRole, LoadFailurePolicy, SimConfig
 from narwhal.sim.faults import FaultBook, FaultKind
 from narwhal.sim.generation import Generated, generate
 from narwhal.sim.handoff import GARBAGE_PARAMS, parse_handoff, produced_params
-from narwhal.sim.kv import blocks_of, context_from_blocks, digest
+from narwhal.sim.kv import blocks_of, context_from_blocks
 from narwhal.sim.kv_store import KvLoadError, KvStore
 from narwhal.sim.latency import LatencyModel, Sleeper, pause
 from narwhal.sim.leg import Leg
@@ -34,6 +34,7 @@ class Outcome:
     cached_tokens: int  # prompt tokens loaded from a remote prefill's KV
     extra: dict[str, Any]  # top-level response fields
     itl_s: float  # the wait between two streamed tokens
+    prompt_ids: tuple[int, ...] = ()
 
 
 class SimEngine:
@@ -99,7 +100,7 @@ class SimEngine:
             context, cached = await self._load(body.kv_transfer_params or {}, prompt, factor)
         else:
             await pause(self._sleeper, self._latency.ttft_s(len(prompt), factor))
-        generated = generate(digest(context), body.token_limit, body.stop_strings, body.min_tokens)
+        generated = generate(context, body.token_limit, body.stop_strings, body.min_tokens)
         extra: dict[str, Any] = {"kv_transfer_params": None}
         if (
             leg is Leg.PREFILL
@@ -107,7 +108,9 @@ class SimEngine:
             and self.config.kv_role is not KvRole.CONSUMER
         ):
             extra = self._produce(prompt, leg)
-        return Outcome(generated, len(prompt), cached, extra, self._latency.itl_s(factor))
+        return Outcome(
+            generated, len(prompt), cached, extra, self._latency.itl_s(factor), tuple(prompt)
+        )
 
     def _produce(self, prompt: Sequence[int], leg: Leg) -> dict[str, Any]:
         """Keep the prompt's KV for a decode engine and describe where to read it."""

@@ -48,6 +48,8 @@ _ALLOWED: dict[FaultKind, frozenset[str]] = {
     FaultKind.COMPLETION_STATUS: frozenset({"status"}),
     FaultKind.STALL_FIRST_TOKEN: frozenset({"delay_s"}),
     FaultKind.STALL_MID_STREAM: frozenset({"after_tokens", "delay_s"}),
+    FaultKind.MALFORMED_EVENT: frozenset({"after_tokens"}),
+    FaultKind.ERROR_EVENT: frozenset({"after_tokens"}),
     FaultKind.WRONG_MODEL: frozenset({"model"}),
     FaultKind.SLOW: frozenset({"factor"}),
 }

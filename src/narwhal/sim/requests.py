@@ -49,6 +49,7 @@ class _Generation(_Body):
     stop: str | list[str] | None = None
     n: int = 1
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool = False  # vLLM: the prompt's and each chunk's token ids
 
     @property
     def token_limit(self) -> int:
@@ -82,13 +83,21 @@ class CompletionBody(_Generation):
 class ChatBody(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool = True
+    # vLLM: the last (assistant) message is the start of the answer, to be continued.
+    continue_final_message: bool = False
 
     @property
     def token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
     def prompt_ids(self) -> list[int]:
-        return tokenize(render_chat([m.model_dump() for m in self.messages]))
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                400, "continue_final_message and add_generation_prompt are exclusive"
+            )
+        messages = [m.model_dump() for m in self.messages]
+        return tokenize(render_chat(messages, self.add_generation_prompt))
 
 
 class TokenizeBody(_Body):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from narwhal.sim.generation import JSON_FIRST, JSON_NEXT, Generated, text_of
+from narwhal.sim.generation import JSON_WORD, VOCAB_IDS, Generated, text_of, token_text
 
 DONE = b"data: [DONE]\n\n"
 MALFORMED_EVENT = b'data: {"choices": [{"index": 0, "text": \n\n'
@@ -50,12 +50,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 @dataclass(frozen=True, slots=True)
 class Envelope:
-    """What every object of one response repeats."""
+    """What every object of one response repeats; `prompt_ids` when the request asked for
+    token ids (`return_token_ids`), which vLLM then adds to the answer."""
 
     chat: bool
     id: str
     created: int
     model: str
+    prompt_ids: tuple[int, ...] | None = None
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -78,43 +80,70 @@ def response_body(
         choice["text"] = text
     choice |= {"logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}
     head = env.head("chat.completion" if env.chat else "text_completion")
+    if env.prompt_ids is not None:
+        # vLLM: completions give both per choice; chat gives the prompt's at the top level.
+        choice["token_ids"] = list(gen.token_ids)
+        where = head if env.chat else choice
+        where["prompt_token_ids"] = list(env.prompt_ids)
     return head | {"choices": [choice], "usage": usage_, "prompt_logprobs": None} | extra
 
 
 class ChunkTemplate:
-    """The SSE events of one streamed response."""
+    """The SSE events of one streamed response.
+
+    With token ids asked for (vLLM's `return_token_ids`), every content event carries its
+    `token_ids`, and the first event the prompt's: per choice for completions (the first
+    token's event), at the top level for chat (the role event)."""
 
     def __init__(self, env: Envelope) -> None:
         self._env = env
         self._object = "chat.completion.chunk" if env.chat else "text_completion"
+        self._ids = env.prompt_ids is not None
+        self._prompt_pending = self._ids and not env.chat
         encoded = self._event(_MARKER, None, None).split(dumps(_MARKER))
         self._prefix, self._suffix = encoded
 
-    def _chunk(self, text: str, finish: str | None, stop: str | None) -> dict[str, Any]:
+    def _chunk(
+        self, text: str, finish: str | None, stop: str | None, ids: list[int] | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self._env.chat:
             choice["delta"] = {"content": text}
         else:
             choice["text"] = text
         choice |= {"logprobs": None, "finish_reason": finish, "stop_reason": stop}
+        if ids is not None:
+            if self._prompt_pending:
+                self._prompt_pending = False
+                choice["prompt_token_ids"] = list(self._env.prompt_ids or ())
+            choice["token_ids"] = ids
         return self._env.head(self._object) | {"choices": [choice]}
 
-    def _event(self, text: str, finish: str | None, stop: str | None) -> bytes:
-        return b"data: " + dumps(self._chunk(text, finish, stop)) + b"\n\n"
+    def _event(
+        self, text: str, finish: str | None, stop: str | None, ids: list[int] | None = None
+    ) -> bytes:
+        return b"data: " + dumps(self._chunk(text, finish, stop, ids)) + b"\n\n"
 
     def role(self) -> bytes:
         """Chat's first event: the assistant role with empty content."""
         chunk = self._chunk("", None, None)
         chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        if self._ids:
+            chunk["prompt_token_ids"] = list(self._env.prompt_ids or ())
+            chunk["choices"][0]["token_ids"] = []
         return b"data: " + dumps(chunk) + b"\n\n"
 
-    def token(self, index: int, position: int) -> bytes:
-        word = JSON_FIRST[index] if position == 0 else JSON_NEXT[index]
-        return self._prefix + word + self._suffix
+    def token(self, index: int) -> bytes:
+        if self._ids:
+            return self._event(token_text(index), None, None, [VOCAB_IDS[index]])
+        return self._prefix + JSON_WORD[index] + self._suffix
 
-    def final(self, text: str, finish: str, stop: str | None) -> bytes:
-        """The last content event: it carries the finish reason."""
-        return self._event(text, finish, stop)
+    def final(self, index: int | None, finish: str, stop: str | None) -> bytes:
+        """The last content event: it carries the finish reason, and the last token if any."""
+        if index is None:
+            return self._event("", finish, stop, [] if self._ids else None)
+        ids = [VOCAB_IDS[index]] if self._ids else None
+        return self._event(token_text(index), finish, stop, ids)
 
     def usage(self, usage_: dict[str, Any]) -> bytes:
         chunk = self._env.head(self._object) | {"choices": [], "usage": usage_}

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from narwhal.sim.engine import Outcome
-from narwhal.sim.generation import token_text
 from narwhal.sim.latency import Sleeper, pause
 from narwhal.sim.shapes import (
     DONE,
@@ -32,8 +31,9 @@ class StreamFaults:
     stall_after_tokens: int | None = None  # go silent once this many tokens were sent
     stall_s: float | None = None  # for this long (None: forever)
     no_done: bool = False
-    malformed: bool = False
-    error_event: bool = False  # after the first token: vLLM's in-band error event, then [DONE]
+    malformed_after: int | None = None  # a non-JSON event once this many tokens were sent
+    # vLLM's in-band error event, then [DONE], once this many tokens were sent
+    error_after: int | None = None
 
 
 def events(
@@ -47,19 +47,19 @@ def events(
     last = len(gen.indices) - 1
     for i, word in enumerate(gen.indices):
         if i == last and gen.finish_reason == "length":
-            yield tpl.final(token_text(word, i), "length", None), True
+            yield tpl.final(word, "length", None), True
         else:
-            yield tpl.token(word, i), True
-        if i == 0 and faults.malformed:
+            yield tpl.token(word), True
+        if i + 1 == faults.malformed_after:
             yield MALFORMED_EVENT, False
-        if i == 0 and faults.error_event:
+        if i + 1 == faults.error_after:
             yield ERROR_EVENT, False
             yield DONE, False
             return
     if gen.finish_reason != "length":
-        if faults.malformed and last < 0:
+        if faults.malformed_after is not None and last < 0:
             yield MALFORMED_EVENT, False
-        yield tpl.final("", gen.finish_reason, gen.stop_reason), False
+        yield tpl.final(None, gen.finish_reason, gen.stop_reason), False
     if include_usage:
         yield tpl.usage(usage(outcome.prompt_tokens, last + 1, outcome.cached_tokens)), False
     if not faults.no_done:
