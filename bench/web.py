@@ -48,6 +48,33 @@ async def wait_until(
     raise RuntimeError(f"{url} not ready after {timeout_s} s ({last})")
 
 
+async def histogram(url: str, name: str) -> list[tuple[float, float]]:
+    """One Prometheus histogram's cumulative buckets `(le, count)`, summed over label sets,
+    in order ([] when it has no samples)."""
+    status, text = await call("GET", url)
+    if status != 200:
+        raise RuntimeError(f"{url}: HTTP {status}")
+    buckets: dict[float, float] = {}
+    prefix = name + "_bucket{"
+    for line in str(text).splitlines():
+        if line.startswith(prefix):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sorted(buckets.items())
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile `q` (None: no samples)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return None
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound
+    return buckets[-1][0]
+
+
 async def metric(url: str, name: str) -> float:
     """Sum of every sample of one Prometheus metric (all label sets)."""
     status, text = await call("GET", url)

@@ -204,6 +204,11 @@ def test_defaults_are_as_documented() -> None:
 
 def test_derived_defaults() -> None:
     cfg = parse_config(MINIMAL)
+    assert cfg.serving.migrations == 0  # single_attempt never migrates
+    bounded = parse_config({**MINIMAL, "serving": {"policy": "bounded"}})
+    assert bounded.serving.migrations == 2
+    limited = {"policy": "bounded", "migration_limit": 0}
+    assert parse_config({**MINIMAL, "serving": limited}).serving.migrations == 0
     assert cfg.router_id is None
     assert cfg.effective_router_id == cfg.listen == "127.0.0.1:8080"
     assert cfg.lease.effective_renew_deadline_s == pytest.approx(0.75 * cfg.lease.ttl_s)
@@ -366,6 +371,8 @@ BAD = [
                  "request_timeout_s", id="stream-idle-after-request-deadline"),
     pytest.param({"serving.request_timeout_s": 8}, "serving.first_token_timeout_s",
                  "request_timeout_s", id="request-deadline-below-default-first-token"),
+    pytest.param({"serving.migration_limit": 1}, "serving.migration_limit", "single_attempt",
+                 id="migration-under-single-attempt"),
     # Admin token sources.
     pytest.param({"admin.token": "t"}, "admin.token_env", "only one", id="admin-token-and-env"),
     pytest.param({"admin.token_file": "/etc/narwhal/token"}, "admin.token_file", "only one",

@@ -11,6 +11,17 @@ def seconds(value: Any, never: str) -> str:
     return never if value is None else f"{float(value):.2f}"
 
 
+def _migrated(r: dict[str, Any]) -> str:
+    """Narwhal's migrations in the run: streams continued on a fresh pair (DESIGN §1), those
+    that still failed, and the pause the clients saw, as histogram bucket bounds."""
+    if "migrations" not in r:
+        return "-"
+    text = f"{r['migrations']:.0f} ({r['migrations_lost']:.0f})"
+    if r["gap_p50_s"] is not None:
+        text += f", ≤{r['gap_p50_s'] * 1000:.0f} / ≤{r['gap_p99_s'] * 1000:.0f}"
+    return text
+
+
 def render(suite: dict[str, Any]) -> str:
     after = f"not within {suite['after_s']:.0f} s"
     out = [
@@ -29,7 +40,10 @@ def render(suite: dict[str, Any]) -> str:
         f"({suite['monitor_interval_s']:.0f} s). **Back**: seconds from the end of the fault "
         f"to the first client request the engine received again. The load is a closed loop: "
         f"when every client is stuck on a stalled stream the faulty engine gets no traffic "
-        f"either, so read *out of rotation* together with *ok req/s*.",
+        f"either, so read *out of rotation* together with *ok req/s*. **Migrated**: Narwhal's "
+        "streams continued on a fresh pair after their decode failed mid-stream (`bounded`; "
+        "docs/dataplane.md#migration), how many of those still failed, and the pause their "
+        "clients saw (`narwhal_migration_gap_seconds`, p50 and p99 as bucket bounds).",
         "",
     ]
     for scenario, what in suite["scenarios"].items():
@@ -50,10 +64,11 @@ def render(suite: dict[str, Any]) -> str:
                     seconds(r["budget_s"], "-"),
                     seconds(r["back_s"], after),
                     num(r["throughput"], 0),
+                    _migrated(r),
                 ]
             )
         header = ["router", "requests", "failed", "after first byte", "hung", "failures"]
         header += ["out of rotation s"]
-        header += ["Narwhal budget s", "back s", "ok req/s"]
+        header += ["Narwhal budget s", "back s", "ok req/s", "migrated (lost), gap p50 / p99 ms"]
         out += [f"#### {scenario}", "", what + ".", "", table(header, rows), ""]
     return "\n".join(out)

@@ -130,6 +130,8 @@ def faults(suites: dict[str, Any]) -> list[Verdict]:
             elif budget is not None and out_s > budget:
                 rotation.append(f"{r['scenario']} {out_s:.2f} s > {budget:.2f} s")
         has_peers = any(p["router"] in _peer_names(rows) for p in rows)
+        if policy == "narwhal-bounded":
+            out.append(_no_lost_streams(mine))
         out += [
             Verdict(
                 f"{policy}: fewer failed requests than every peer (or none), every scenario",
@@ -144,6 +146,24 @@ def faults(suites: dict[str, Any]) -> list[Verdict]:
             ),
         ]
     return out
+
+
+# Where migration (issue 18) must save every stream: the decode dies, freezes or stalls.
+MIGRATION_SCENARIOS = ("decode_killed", "frozen", "stall_mid_stream")
+
+
+def _no_lost_streams(rows: list[dict[str, Any]]) -> Verdict:
+    name = (
+        "narwhal-bounded: no failed request where a decode dies, freezes or stalls mid-stream "
+        f"({', '.join(MIGRATION_SCENARIOS)})"
+    )
+    cells = [r for r in rows if r["scenario"] in MIGRATION_SCENARIOS]
+    if not cells:
+        return Verdict(name, "-", None)
+    text = "; ".join(
+        f"{r['scenario']} {r['failed']} ({r.get('migrations', 0):.0f} migrated)" for r in cells
+    )
+    return Verdict(name, text, all(r["failed"] == 0 for r in cells))
 
 
 def _peer_names(rows: list[dict[str, Any]]) -> set[str]:

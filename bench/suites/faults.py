@@ -11,6 +11,7 @@ import asyncio
 import time
 from typing import Any
 
+from bench import web
 from bench.context import REQUEST_TIMEOUT_S, Context
 from bench.routers import Engines, Running
 from bench.sims import SimFlags, SimFleet
@@ -117,6 +118,20 @@ async def _one(
         **judge(m.result.records, arrivals, t_fault, t_end, scenario),
         "throughput": m.result.throughput,
         "router_cpu_s": m.router_cpu_s,
+        **(await _migrations(router) if router.spec.kind == "narwhal" else {}),
+    }
+
+
+async def _migrations(router: Running) -> dict[str, Any]:
+    """Narwhal's streams continued elsewhere in the run, and the pause their clients saw
+    (`narwhal_migration_gap_seconds`: p50 and p99 as bucket upper bounds)."""
+    url = router.url + "/metrics"
+    gap = await web.histogram(url, "narwhal_migration_gap_seconds")
+    return {
+        "migrations": await web.metric(url, "narwhal_migrations_total"),
+        "migrations_lost": await web.metric(url, 'narwhal_migrated_streams_total{result="lost"}'),
+        "gap_p50_s": web.quantile(gap, 0.5),
+        "gap_p99_s": web.quantile(gap, 0.99),
     }
 
 

@@ -162,6 +162,15 @@ class ServingConfig(_Section):
     # Data-plane worker processes (DESIGN §9): an integer, or `auto` for the usable CPUs.
     workers: PositiveInt | Literal["auto"] = "auto"
     shutdown_grace_s: PositiveFloat = 30.0
+    # Mid-stream migrations per request (DESIGN §1, "Migration"); unset: 2 under `bounded`,
+    # 0 under `single_attempt`, which never migrates.
+    migration_limit: NonNegativeInt | None = None
+
+    @property
+    def migrations(self) -> int:
+        if self.migration_limit is not None:
+            return self.migration_limit
+        return 2 if self.policy == "bounded" else 0
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -177,6 +186,8 @@ class ServingConfig(_Section):
             raise ValueError("first_token_timeout_s: must not exceed request_timeout_s")
         if self.stream_idle_timeout_s > self.request_timeout_s:
             raise ValueError("stream_idle_timeout_s: must not exceed request_timeout_s")
+        if self.policy == "single_attempt" and self.migration_limit:
+            raise ValueError("migration_limit: must be 0 under policy single_attempt")
         return self
 
 

@@ -203,7 +203,10 @@ async def test_failed_decode_is_retried_with_a_fresh_prefill_and_handoff(
 async def test_no_retry_after_the_first_byte(
     sims: Sims, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    rr = await _router(start_router, sims, max_attempts=3)
+    """A retry is a whole new attempt, never after the client had bytes; with migration off
+    (`migration_limit: 0`) such a stream ends with the error event (tests/e2e/test_migration.py
+    covers what migration does instead)."""
+    rr = await _router(start_router, sims, max_attempts=3, migration_limit=0)
     for d in sims.decodes:
         d.add_fault({"kind": "stall_mid_stream", "leg": "decode", "after_tokens": 2})
     status, raw = await _complete(http, rr.url, True)

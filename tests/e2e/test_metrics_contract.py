@@ -1,7 +1,8 @@
 """`/metrics` against its documented contract (docs/metrics.md, DESIGN §6).
 
 One running router over real sims exercises every documented metric: successful, failed and
-bad requests (stream and not), a retry under the `bounded` policy, token checks, an ejected
+bad requests (stream and not), a retry and a migration under the `bounded` policy, token
+checks, an ejected
 engine on a closed port (with its failing readmission attempts), an operator drain, a monitor
 stage that raises once, handoff writes, a file lease, a refused `--resume`, and a drift
 decision. The scrape is parsed with `prometheus_client`'s own parser, and every row of the
@@ -181,6 +182,12 @@ async def test_every_documented_metric_is_exported_with_its_labels(
         assert resp.status == 502, await resp.text()
     async with http.post(rr.url + "/v1/completions", json=plain) as resp:
         assert resp.status == 200, await resp.text()
+    # A stream whose decode reports an error in band after two tokens: migrated, and saved.
+    d0.add_fault({"kind": "error_event", "leg": "decode", "count": 1, "after_tokens": 2})
+    streamed = {**plain, "max_tokens": 5, "stream": True}
+    async with http.post(rr.url + "/v1/completions", json=streamed) as resp:
+        assert resp.status == 200
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
 
     # A drift decision (detect mode): two closed windows where p1 is 10x its peers. Windows
     # are injected because a real slow engine is the subject of test_controller_drift.py.
@@ -197,6 +204,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
             ("narwhal_readmissions_total", {"engine": "p2"}),
             ("narwhal_holds_active", {"engine": "p2", "hold": "operator_drain"}),
             ("narwhal_handoff_writes_total", {"result": "ok"}),
+            ("narwhal_migrated_streams_total", {"result": "saved"}),
         ]
         return families if all(has_sample(families, m, **lb) for m, lb in wanted) else None
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
@@ -21,6 +21,7 @@ from narwhal.clock import Clock
 from narwhal.config import Config, Role
 from narwhal.dataplane.errors import error_answer, error_body, sse_error_event
 from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
+from narwhal.dataplane.migration import Continuation, Splice, migratable
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
@@ -89,13 +90,25 @@ class DeadlineExceeded(Exception):
     """The request's own deadline ran out while the engine was making progress."""
 
 
+class Interrupted(Exception):
+    """A leg failed after the client's stream began, and the stream can be continued
+    (`dataplane/migration.py`); the engine has its evidence already."""
+
+    def __init__(self, failure: EngineFailure, cause: str) -> None:
+        super().__init__(cause)
+        self.failure = failure
+        self.cause = cause
+
+
 @dataclass(slots=True)
 class _Attempt:
-    """One prefill/decode attempt; `started` flips once a byte reached the client."""
+    """One prefill/decode attempt; `started` flips once this attempt sent the client bytes.
+    `splice` follows a stream that may be migrated, across attempts."""
 
     request_id: str
     started: bool = False
     handoff_failed: bool = False  # the decode refused the handoff or recomputed the prompt
+    splice: Splice | None = None
 
 
 class DataPlane:
@@ -134,6 +147,11 @@ class DataPlane:
         self._latency = Children(metrics.total_latency)
         self._token_checks = Children(metrics.token_checks)
         self._leg_outcomes = Children(metrics.leg_outcomes)
+        self._migrations_by = Children(metrics.migrations)
+        self._migrated = Children(metrics.migrated_streams)
+        # llama.cpp's server has no token ids in its OpenAI answers: not migrated (yet).
+        vllm = all(e.api == "vllm" for e in config.engines)
+        self._migration_limit = config.serving.migrations if vllm else 0
 
     # ---------------------------------------------------------------- entry point
     async def handle(self, endpoint: Endpoint, exchange: Exchange) -> Result:
@@ -214,14 +232,25 @@ class DataPlane:
         attempts = self._serving.max_attempts if self._serving.policy == "bounded" else 1
         tried: set[str] = set()
         last: Exception | None = None
+        may_migrate = (
+            self._migration_limit > 0 and req.stream and migratable(req.endpoint, req.body)
+        )
+        client_req = req
         for number in range(attempts):
             if number and self._clock.monotonic() >= deadline:
                 break
-            attempt = _Attempt(self._new_id())
+            splice = None
+            if may_migrate:  # each attempt from scratch: nothing reached the client yet
+                splice = Splice(client_req.endpoint, client_req.body, client_req.include_usage)
+                req = replace(client_req, body=splice.first_body())
+            attempt = _Attempt(self._new_id(), splice=splice)
             try:
                 if number == 0:
                     await self._check_tokens(req, deadline, attempt)
                 return await self._attempt(req, exchange, deadline, attempt, tried)
+            except Interrupted as exc:
+                assert splice is not None
+                return await self._migrate(exchange, deadline, splice, exc, tried)
             except BadRequest as exc:
                 return _bad_request(exc)
             except ClientError as exc:
@@ -240,6 +269,56 @@ class DataPlane:
             except DeadlineExceeded:
                 return error_answer(504, "request deadline exceeded", "timeout", "deadline")
         return _failure_response(last)
+
+    async def _migrate(
+        self,
+        exchange: Exchange,
+        deadline: float,
+        splice: Splice,
+        interrupted: Interrupted,
+        tried: set[str],
+    ) -> Result:
+        """The client's stream began and its leg failed: continue the generation on fresh
+        pairs, up to `serving.migration_limit` times within the request's deadline; when no
+        pair can, end the stream with the error event (DESIGN §1, "Migration")."""
+        failure: Exception = interrupted.failure
+        cause = interrupted.cause
+        while splice.migrations < self._migration_limit and self._clock.monotonic() < deadline:
+            leg = splice.continuation()
+            if leg is None:
+                break
+            splice.migrations += 1
+            self._migrations_by(cause, leg.kind).inc()
+            log.info(
+                "migrating a stream after %d tokens (%s, %s, migration %d)",
+                splice.delivered, cause, leg.kind, splice.migrations,
+            )  # fmt: skip
+            splice.start_leg(leg)
+            attempt = _Attempt(self._new_id(), splice=splice)
+            try:
+                return await self._attempt(_continued(leg), exchange, deadline, attempt, tried)
+            except Interrupted as exc:
+                failure, cause = exc.failure, exc.cause
+                continue
+            except (EngineFailure, Saturated, NoCapacity, DeadlineExceeded) as exc:
+                failure, cause = exc, _reason(exc)  # before the continuation's first byte
+                continue
+            except (BadRequest, ClientError) as exc:
+                failure, cause = exc, "refused"
+                continue
+        until = self._loop_deadline(deadline)
+        if splice.finished and not splice.done:
+            # Every token was delivered; only the stream's end was lost with the leg.
+            self._migrated("saved").inc()
+            await self._evidence.settled()
+            ok = await _finish(exchange, splice.ending(), until)
+            return Streamed("ok" if ok else "deadline")
+        self._migrated("lost").inc()
+        return await self._error_event(exchange, failure, until)
+
+    def _loop_deadline(self, deadline: float) -> float:
+        """`deadline` (our clock) on the loop's clock, which asyncio's timeouts use."""
+        return deadline + asyncio.get_running_loop().time() - self._clock.monotonic()
 
     async def _check_tokens(self, req: ClientRequest, deadline: float, attempt: _Attempt) -> None:
         limits = [e.max_model_len for e in self._fleet if e.max_model_len is not None]
@@ -307,6 +386,9 @@ class DataPlane:
         self._evidence.failure(engine.id, failure, leg)
         return failure
 
+    def _malformed(self, engine: EngineState, leg: str) -> EngineFailure:
+        return self._fail(engine, leg, EngineFailure(FailureClass.STREAM, "malformed SSE event"))
+
     def _succeed(self, engine: EngineState, leg: str, kind: SuccessKind) -> None:
         self._leg_outcomes(engine.id, leg, kind.value).inc()
         self._evidence.success(engine.id, kind, leg)
@@ -353,7 +435,7 @@ class DataPlane:
         with self._placed(Role.PREFILL, tried) as prefill:
             handoff = await self._prefill_leg(req, deadline, attempt, prefill)
         if isinstance(handoff, Answer):
-            return handoff
+            return await self._finished_in_prefill(exchange, deadline, attempt, handoff)
         try:
             with self._placed(Role.DECODE, tried) as decode:
                 return await self._decode_leg(
@@ -369,6 +451,26 @@ class DataPlane:
             if adapter.decode_verifies_handoff and not attempt.handoff_failed:
                 self._succeed(prefill, "prefill", SuccessKind.PREFILL_HANDOFF)
             await adapter.discard(prefill.config, handoff)
+
+    async def _finished_in_prefill(
+        self, exchange: Exchange, deadline: float, attempt: _Attempt, answer: Answer
+    ) -> Result:
+        """The prefill's one token completed the request. A stream that may migrate has its
+        events rewritten like a decode's; one that already began gets them through the
+        exchange."""
+        splice = attempt.splice
+        if splice is None:
+            return answer
+        body = splice.relay(answer.body)
+        if not splice.opened:
+            return replace(answer, body=body)
+        self._migrated("saved").inc()
+        try:
+            await exchange.send(body)
+        except _CLIENT_GONE:
+            return Streamed("client_disconnect")
+        ok = await _finish(exchange, b"", self._loop_deadline(deadline))
+        return Streamed("ok" if ok else "deadline")
 
     async def _prefill_leg(
         self, req: ClientRequest, deadline: float, attempt: _Attempt, engine: EngineState
@@ -514,7 +616,9 @@ class DataPlane:
         leg: str,
         producer: EngineState | None,
     ) -> Result:
-        """Forward an SSE stream as bytes, with first-token, idle and request deadlines."""
+        """Forward an SSE stream as bytes, with first-token, idle and request deadlines; as
+        whole events through the attempt's splice when the stream may migrate."""
+        splice = attempt.splice
         loop = asyncio.get_running_loop()
         # Deadlines on the loop's clock (what asyncio.timeout uses), derived from ours.
         offset = loop.time() - self._clock.monotonic()
@@ -550,32 +654,33 @@ class DataPlane:
                             chunk = scanner.end()
                             if not chunk:
                                 break
-                        if scanner.malformed:
-                            raise self._fail(
-                                engine,
-                                leg,
-                                EngineFailure(FailureClass.STREAM, "malformed SSE event"),
-                            )
+                        if splice is not None:
+                            # Whole events, rewritten, up to a malformed one: the client has
+                            # every good token before it (then the stream goes on elsewhere).
+                            chunk = splice.relay(chunk)
+                        elif scanner.malformed:
+                            raise self._malformed(engine, leg)
                         now = time.perf_counter()
-                        try:
-                            if not attempt.started:
-                                await exchange.start_stream()
-                                attempt.started = True
-                                watch.started()
-                                self._stats.latency(engine.id, now - leg_start)
-                                self._metrics.ttft.observe(
-                                    self._clock.monotonic()
-                                    - (deadline - self._serving.request_timeout_s)
-                                )
-                            else:
-                                self._metrics.inter_token.observe(now - last_chunk)
-                                self._stats.inter_token(engine.id, now - last_chunk)
-                            await exchange.send(chunk)
-                        except _CLIENT_GONE:
-                            raise ClientGone() from None
-                        last_chunk = now
+                        if chunk:
+                            try:
+                                if not attempt.started:
+                                    attempt.started = True
+                                    watch.started()
+                                    self._stats.latency(engine.id, now - leg_start)
+                                    await self._open_stream(exchange, deadline, splice, now)
+                                else:
+                                    self._metrics.inter_token.observe(now - last_chunk)
+                                    self._stats.inter_token(engine.id, now - last_chunk)
+                                await exchange.send(chunk)
+                            except _CLIENT_GONE:
+                                raise ClientGone() from None
+                            last_chunk = now
+                            if splice is not None:
+                                splice.last_sent_s = now
+                        if splice is not None and (scanner.malformed or splice.broken):
+                            raise self._malformed(engine, leg)
                         if scanner.done:
-                            complete = True
+                            complete = splice is None or splice.done
                             break  # the answer is complete, whether or not the engine hangs up
                 except OSError as exc:
                     raise self._fail(
@@ -612,14 +717,19 @@ class DataPlane:
         assert resp is not None
         outcome = "ok"
         if scanner.error is not None:
-            # The engine reported an error in band (then [DONE]): the client has it as sent;
-            # the engine is charged as for an error status.
+            # The engine reported an error in band (then [DONE]): the client has it as sent,
+            # or, when the stream may migrate, it is continued elsewhere; the engine is
+            # charged as for an error status.
             detail = scanner.error[:200].decode(errors="replace")
-            self._fail(engine, leg, EngineFailure(FailureClass.INFERENCE_STATUS, detail))
+            failure = self._fail(engine, leg, EngineFailure(FailureClass.INFERENCE_STATUS, detail))
+            if splice is not None:
+                return await self._end_stream(exchange, attempt, failure, request_deadline)
             outcome = "upstream_error_midstream"
         else:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
             self._check_recompute(attempt, producer, engine, scanner.last)
+            if splice is not None and splice.migrations:
+                self._migrated("saved").inc()
         exchange.settled_outcome = outcome
         await self._evidence.settled()
         try:
@@ -631,6 +741,22 @@ class DataPlane:
         await _release_at_eof(resp)
         return Streamed(outcome)
 
+    async def _open_stream(
+        self, exchange: Exchange, deadline: float, splice: Splice | None, now: float
+    ) -> None:
+        """An attempt's first bytes for the client: the stream's head and its time to first
+        token, or, for a migrated stream, the gap the client saw."""
+        if splice is not None and splice.opened:
+            if splice.interrupted_s is not None:
+                self._metrics.migration_gap.observe(now - splice.interrupted_s)
+                splice.interrupted_s = None
+            return
+        await exchange.start_stream()
+        if splice is not None:
+            splice.opened = True
+        arrived = deadline - self._serving.request_timeout_s
+        self._metrics.ttft.observe(self._clock.monotonic() - arrived)
+
     async def _end_stream(
         self,
         exchange: Exchange,
@@ -638,9 +764,19 @@ class DataPlane:
         failure: Exception,
         until: float,
     ) -> Result:
-        """Before the first byte, let the policy answer; after it, end with an error event."""
+        """Before the attempt's first byte, let the policy answer; after it, continue the
+        stream elsewhere when it may migrate (`Interrupted`), else end it with an error
+        event."""
         if not attempt.started:
             raise failure
+        splice = attempt.splice
+        if splice is not None and isinstance(failure, EngineFailure):
+            await self._evidence.settled()  # placement sees the failed engine paused
+            splice.interrupted_s = splice.last_sent_s
+            raise Interrupted(failure, _cause(failure))
+        return await self._error_event(exchange, failure, until)
+
+    async def _error_event(self, exchange: Exchange, failure: Exception, until: float) -> Result:
         status, message = _status_for(failure)
         await self._evidence.settled()
         await _finish(exchange, sse_error_event(message, "upstream_error", status), until)
@@ -692,7 +828,41 @@ async def _release_at_eof(resp: EngineResponse) -> None:
 
 
 def _reason(exc: Exception) -> str:
-    return exc.failure_class.value if isinstance(exc, EngineFailure) else "saturated"
+    if isinstance(exc, EngineFailure):
+        return exc.failure_class.value
+    if isinstance(exc, NoCapacity):
+        return "no_capacity"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    return "saturated"
+
+
+def _cause(failure: EngineFailure) -> str:
+    """Why a stream was migrated: `connection_lost`, `stream_idle` (mid-stream silence),
+    `error_event` (in band), `invalid_termination` (no `[DONE]`, a malformed event)."""
+    cls = failure.failure_class
+    if cls is FailureClass.STREAM:
+        return "stream_idle" if failure.timed_out else "invalid_termination"
+    if cls is FailureClass.INFERENCE_STATUS:
+        return "error_event"
+    if cls is FailureClass.CONNECTION:
+        return "connection_lost"
+    return cls.value
+
+
+def _continued(leg: Continuation) -> ClientRequest:
+    """A continuation as the request its legs serve (always a stream)."""
+    options = leg.body.get("stream_options")
+    return ClientRequest(
+        endpoint=leg.endpoint,
+        body=leg.body,
+        stream=True,
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        max_tokens=leg.body.get("max_tokens"),
+        prompt_text=None,
+        prompt_token_count=None,
+        message_count=0,
+    )
 
 
 def _status_for(exc: Exception | None) -> tuple[int, str]:

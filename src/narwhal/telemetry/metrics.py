@@ -93,6 +93,26 @@ class DataMetrics:
         self.retries = Counter(
             "narwhal_retries", "Bounded-policy retries by reason", ["reason"], registry=r
         )
+        self.migrations = Counter(
+            "narwhal_migrations",
+            "Streams continued on a fresh pair after their decode failed mid-stream, by cause "
+            "and by how they were continued (token_ids or text)",
+            ["cause", "kind"],
+            registry=r,
+        )
+        self.migration_gap = Histogram(
+            "narwhal_migration_gap_seconds",
+            "The pause a client saw at a migration: its last byte before the failure to the "
+            "first byte of the continuation",
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.migrated_streams = Counter(
+            "narwhal_migrated_streams",
+            "Streams that needed a migration, by result: saved (ended normally) or lost",
+            ["result"],
+            registry=r,
+        )
         self.token_checks = Counter(
             "narwhal_token_checks",
             "Prompt-length checks by how they were decided",

@@ -1,0 +1,323 @@
+"""Migration (DESIGN §1): a stream whose decode fails after part of the answer reached the
+client goes on, from the same token, on a fresh prefill/decode pair.
+
+`Splice` follows one client stream across the legs that produce it. It is pure (no I/O, no
+clock): the proxy feeds it each leg's bytes and sends the client what it returns.
+
+- Only whole SSE events are relayed, so a leg that dies mid-event leaves nothing half-sent.
+- Each event says what was delivered: the prompt's token ids (the first event) and each
+  chunk's `token_ids`, which vLLM adds when a request says `"return_token_ids": true`, and the
+  text, for engines that give no ids.
+- The client sees only what it asked for (no ids unless it asked), and a continuation looks
+  like the first leg: the same `id`, `created` and `model`, chat deltas from a completion
+  continuation, and `usage` that counts the original prompt and every token once.
+- An in-band error event or a malformed one, and what follows it, is not relayed: the
+  stream goes on elsewhere.
+- `continuation()` builds the next leg's request: the prompt's token ids followed by the
+  delivered ones, `max_tokens` and `min_tokens` less what was delivered, every sampling
+  parameter kept (a `seed` too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from narwhal.engine.adapter import Endpoint
+
+TOKEN_IDS, TEXT = "token_ids", "text"
+# vLLM's `max_tokens` for /v1/completions when the request gives none. Chat has no fixed
+# default (the model's context bounds it), so a chat continuation leaves it unset too.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+# Fields of a chat request that a raw completion over its rendered prompt does not take.
+_CHAT_ONLY = frozenset(
+    {
+        "messages",
+        "max_completion_tokens",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "mm_processor_kwargs",
+    }
+)
+# Output that a grammar or a tool parser shapes from its first token: a continuation would
+# restart that state mid-answer, so such requests are not migrated.
+_CONSTRAINED = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "tools",
+    "functions",
+)
+
+
+def migratable(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """Whether a streamed request can be continued elsewhere if its decode fails."""
+    if any(body.get(key) for key in _CONSTRAINED):
+        return False
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return len(prompt) == 1  # one prompt in a list (of text or of token ids)
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """The next leg's request: sent to `endpoint` (a chat is continued as a completion over
+    token ids, or as a chat when only text is known)."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    kind: str  # TOKEN_IDS or TEXT
+
+
+def _payload(raw: bytes) -> bytes | None:
+    """An event's data (its `data:` lines joined), or None when it has none."""
+    if raw.startswith(b"data: ") and b"\n" not in raw:
+        return raw[6:].rstrip()
+    data = []
+    for line in raw.split(b"\n"):
+        line = line.rstrip()
+        if line.startswith(b"data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(data) if data else None
+
+
+class Splice:
+    """One client stream across its legs; see the module's docstring."""
+
+    def __init__(self, endpoint: Endpoint, body: dict[str, Any], include_usage: bool) -> None:
+        self.endpoint = endpoint
+        self._body = body  # the client's request
+        self._chat = endpoint == "chat"
+        self._client_ids = body.get("return_token_ids") is True
+        self._include_usage = include_usage
+        self.opened = False  # the client has the stream's head (the proxy sets it)
+        self.migrations = 0
+        self.last_sent_s = 0.0  # perf_counter of the last bytes the client was sent
+        self.interrupted_s: float | None = None  # last_sent_s when a leg failed
+        self._head: dict[str, Any] | None = None  # the first leg's id, created and model
+        self._prompt_ids: list[int] | None = None
+        self._ids: list[int] = []
+        self._ids_whole = True  # every token so far came with its id
+        self._text: list[str] = []
+        self._tokens = 0  # completion tokens delivered
+        self._leg: Continuation | None = None  # the current leg, when it is a continuation
+        self._tokens_before_leg = 0
+        self._usage_sent = False
+        self._tail = b""
+        self._cr = False
+        self.finished = False  # a choice carried its finish_reason
+        self.errored = False  # the current leg sent an in-band error event
+        self.broken = False  # the current leg sent a malformed event
+        self.done = False  # `[DONE]` went to the client
+
+    def first_body(self) -> dict[str, Any]:
+        """The first leg's request: the client's, asking for token ids."""
+        return self._body if self._client_ids else {**self._body, "return_token_ids": True}
+
+    def start_leg(self, leg: Continuation) -> None:
+        """The next events come from `leg`."""
+        self._leg = leg
+        self._tokens_before_leg = self._tokens
+        self._tail = b""
+        self._cr = False
+        self.errored = False
+        self.broken = False
+
+    # ------------------------------------------------------------------ events
+    def relay(self, chunk: bytes) -> bytes:
+        """The client's part of a leg's bytes: its whole events, rewritten."""
+        if self._cr and chunk:  # the last chunk ended in CR: a LF starting this one pairs
+            self._cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        data = self._tail + chunk
+        if b"\r" in data:
+            self._cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n\n" not in data:
+            self._tail = data
+            return b""
+        *events, self._tail = data.split(b"\n\n")
+        out = []
+        for raw in events:
+            if self.errored or self.broken or self.done:
+                break
+            payload = _payload(raw.lstrip(b"\n"))
+            if payload is None:
+                continue
+            if payload == b"[DONE]":
+                self.done = True
+                out.append(b"data: [DONE]\n\n")
+                continue
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                event = None
+            if not isinstance(event, dict):
+                self.broken = True  # malformed: nothing after it is relayed; the leg failed
+                break
+            if "error" in event and "choices" not in event:
+                self.errored = True  # the proxy charges the engine and continues elsewhere
+                break
+            rewritten = self._rewrite(event)
+            if rewritten is not None:
+                out.append(b"data: " + orjson.dumps(rewritten) + b"\n\n")
+        return b"".join(out)
+
+    def _rewrite(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        leg = self._leg
+        if leg is None:
+            if self._head is None:
+                self._head = {k: event.get(k) for k in ("id", "created", "model")}
+            ids = event.get("prompt_token_ids")
+            if self._chat and isinstance(ids, list):
+                self._prompt_ids = ids
+            if not self._client_ids:
+                event.pop("prompt_token_ids", None)
+        else:
+            event.update(self._head or {})
+            event.pop("prompt_token_ids", None)
+            if self._chat and leg.endpoint == "completions":
+                event["object"] = "chat.completion.chunk"
+        choices = event.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = self._choice(choices[0])
+            if choice is None:
+                return None
+            choices[0] = choice
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            if leg is not None:
+                event["usage"] = self._usage(usage)
+            if not choices:
+                self._usage_sent = True
+        return event
+
+    def _choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """Learn what a choice delivers; reshape it for the client (None: drop the event)."""
+        leg = self._leg
+        if leg is None:
+            ids = choice.get("prompt_token_ids")
+            if not self._chat and isinstance(ids, list):
+                self._prompt_ids = ids
+        if self._chat and leg is not None and leg.endpoint == "completions":
+            text = choice.pop("text", "")
+            choice = {"index": choice.pop("index", 0), "delta": {"content": text}, **choice}
+        elif self._chat:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else None
+            if leg is not None and isinstance(delta, dict) and "role" in delta and not text:
+                return None  # the continuation's own role event: the client had one
+        else:
+            text = choice.get("text")
+        token_ids = choice.get("token_ids")
+        if isinstance(token_ids, list):
+            self._ids.extend(token_ids)
+            self._tokens += len(token_ids)
+        elif text:
+            self._ids_whole = False
+            self._tokens += 1
+        if text:
+            self._text.append(text)
+        if choice.get("finish_reason") is not None:
+            self.finished = True
+        if leg is not None or not self._client_ids:
+            choice.pop("prompt_token_ids", None)
+        if not self._client_ids:
+            choice.pop("token_ids", None)
+        return choice
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """A continuation's usage as the client's request's: its prompt, and every completion
+        token once (those delivered before this leg, and this leg's)."""
+        before = self._tokens_before_leg
+        completion = before + int(usage.get("completion_tokens") or 0)
+        if self._prompt_ids is not None:
+            prompt = len(self._prompt_ids)
+        else:
+            prompt = max(0, int(usage.get("prompt_tokens") or 0) - before)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                "completion_tokens": completion}  # fmt: skip
+
+    # ------------------------------------------------------------------ what comes next
+    @property
+    def delivered(self) -> int:
+        """Completion tokens the client has."""
+        return self._tokens
+
+    def ending(self) -> bytes:
+        """The end of a stream whose generation had finished when its leg failed (before its
+        usage or `[DONE]`): the usage if asked for and not sent, then `[DONE]`."""
+        out = []
+        if self._include_usage and not self._usage_sent and self._prompt_ids is not None:
+            prompt, completion = len(self._prompt_ids), self._tokens
+            usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                     "completion_tokens": completion}  # fmt: skip
+            obj = "chat.completion.chunk" if self._chat else "text_completion"
+            event = {**(self._head or {}), "object": obj, "choices": [], "usage": usage}
+            out.append(b"data: " + orjson.dumps(event) + b"\n\n")
+        out.append(b"data: [DONE]\n\n")
+        self.done = True
+        return b"".join(out)
+
+    def continuation(self) -> Continuation | None:
+        """The next leg's request, or None when there is nothing left to generate or no way
+        to continue (no token ids and a prompt that is not text)."""
+        if self.finished or self.done:
+            return None
+        body, k = self._body, self._tokens
+        if self._chat:
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        else:
+            limit = body.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
+        if limit is not None and limit - k <= 0:
+            return None
+        if self._prompt_ids is not None and self._ids_whole:
+            dropped = _CHAT_ONLY if self._chat else {"echo"}
+            base = {key: v for key, v in body.items() if key not in dropped}
+            base["prompt"] = [*self._prompt_ids, *self._ids]
+            endpoint: Endpoint = "completions"
+            kind = TOKEN_IDS
+        elif self._chat:
+            base = dict(body)
+            text = "".join(self._text)
+            base["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+            base["continue_final_message"] = True
+            base["add_generation_prompt"] = False
+            base.pop("max_completion_tokens", None)
+            endpoint, kind = "chat", TEXT
+        elif isinstance(body.get("prompt"), str):
+            base = {key: v for key, v in body.items() if key != "echo"}
+            base["prompt"] = body["prompt"] + "".join(self._text)
+            endpoint, kind = "completions", TEXT
+        else:
+            return None
+        base.pop("max_tokens", None)
+        if limit is not None:
+            base["max_tokens"] = limit - k
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+            base["min_tokens"] = max(0, min_tokens - k)
+        base["stream"] = True
+        base["return_token_ids"] = True
+        return Continuation(endpoint, base, kind)
