@@ -170,6 +170,18 @@ def keep_alive(body: Callable[[Request], bytes] = lambda r: b"ok") -> Handler:
     return handler
 
 
+def counting(ports: set[int], at_accept: list[int], then: Handler | None = None) -> Handler:
+    """An engine that notes how many client sockets to `ports` are open as it accepts each
+    connection, then serves it (`keep_alive()` unless `then`)."""
+    serve = then or keep_alive()
+
+    async def handler(peer: Peer) -> None:
+        at_accept.append(client_sockets(ports))
+        await serve(peer)
+
+    return handler
+
+
 def from_connection(request: Request) -> bytes:
     """An answer body naming the connection the request came on."""
     return b"connection %d" % request.connection
@@ -518,6 +530,29 @@ async def test_a_reused_socket_closed_before_any_answer_byte_is_retried_on_a_fre
     assert [r.connection for r in engine.requests] == [0, 0, 1]
 
 
+async def test_the_resend_after_a_dead_reused_socket_takes_a_fresh_one() -> None:
+    """An engine killed and restarted leaves every idle socket to it dead. The request that
+    finds one dead is sent again on a new socket, not on the next idle one (which the
+    faults bench caught answering a client 500: both tries had met dead sockets)."""
+
+    async def handler(peer: Peer) -> None:
+        request = await peer.request()
+        assert request is not None
+        peer.send(answer(from_connection(request)))
+        if peer.index < 2:
+            if await peer.request() is not None:  # a reuse: hang up without an answer
+                peer.hang_up()
+            return
+        await peer.wait_client_close()
+
+    async with raw_server(handler) as engine, h1_client() as client:
+        url = engine.url + "/v1/completions"
+        both = await asyncio.gather(_fetch(client, url), _fetch(client, url))
+        assert sorted(both) == [b"connection 0", b"connection 1"]  # two idle sockets now
+        assert await _fetch(client, url) == b"connection 2"
+    assert engine.accepted == 3
+
+
 async def test_a_socket_the_engine_closed_while_idle_is_not_reused() -> None:
     """An engine that closes its keep-alive connection after each answer (as uvicorn does
     when its keep-alive timeout runs out): the next request goes out on a new connection and
@@ -718,10 +753,7 @@ async def test_the_bound_counts_idle_sockets_across_engines() -> None:
     engine accepts and after each request."""
     ports: set[int] = set()
     at_accept: list[int] = []
-
-    async def handler(peer: Peer) -> None:
-        at_accept.append(client_sockets(ports))
-        await keep_alive()(peer)
+    handler = counting(ports, at_accept)
 
     async with raw_server(handler) as a, raw_server(handler) as b, h1_client(limit=1) as client:
         ports.update({a.port, b.port})
@@ -741,10 +773,7 @@ async def test_requests_at_the_bound_each_close_an_idle_socket_for_their_own() -
     socket came free on its own), and the bound holds throughout."""
     ports: set[int] = set()
     at_accept: list[int] = []
-
-    async def handler(peer: Peer) -> None:
-        at_accept.append(client_sockets(ports))
-        await keep_alive()(peer)
+    handler = counting(ports, at_accept)
 
     async with raw_server(handler) as prefill, raw_server(handler) as decode:
         ports.update({prefill.port, decode.port})
@@ -781,10 +810,7 @@ async def test_a_shared_bound_makes_another_client_close_its_idle_sockets() -> N
     The bound holds at every accept, and the table counts each socket once."""
     ports: set[int] = set()
     at_accept: list[int] = []
-
-    async def handler(peer: Peer) -> None:
-        at_accept.append(client_sockets(ports))
-        await keep_alive()(peer)
+    handler = counting(ports, at_accept)
 
     async with (
         raw_server(handler) as prefill,
@@ -813,18 +839,13 @@ async def test_a_client_that_waits_gets_a_socket_another_gave_back_idle() -> Non
     go = asyncio.Event()
 
     async def slow(peer: Peer) -> None:
-        at_accept.append(client_sockets(ports))
         while (await peer.request()) is not None:
             await go.wait()
             peer.send(answer())
 
-    async def counted(peer: Peer) -> None:
-        at_accept.append(client_sockets(ports))
-        await keep_alive()(peer)
-
     async with (
-        raw_server(slow) as prefill,
-        raw_server(counted) as decode,
+        raw_server(counting(ports, at_accept, slow)) as prefill,
+        raw_server(counting(ports, at_accept)) as decode,
         shared_clients(limit=2) as (a, b, table),
     ):
         ports.update({prefill.port, decode.port})

@@ -179,11 +179,9 @@ async def _saved(rr: RunningRouter, result: str = "saved") -> float:
 # ------------------------------------------------------------------ the four failures
 
 
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-async def test_a_decode_killed_mid_stream_is_continued_exactly(
-    endpoint: str, fleet: Fleet, start_router: StartRouter
-) -> None:
-    rr = await _router(start_router, fleet)
+async def _killed_after_5(rr: RunningRouter, fleet: Fleet, endpoint: str) -> tuple[Run, Run]:
+    """The request uninterrupted, then again with its decode killed (SIGKILL) after the
+    client had 5 chunks."""
     prompt = f"killed {endpoint} stream"
     reference = await _stream(rr.url, endpoint, prompt)
     fleet.forget()
@@ -192,7 +190,15 @@ async def test_a_decode_killed_mid_stream_is_continued_exactly(
         if n == 5:
             fleet.serving(prompt).kill()
 
-    run = await _stream(rr.url, endpoint, prompt, kill)
+    return reference, await _stream(rr.url, endpoint, prompt, kill)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+async def test_a_decode_killed_mid_stream_is_continued_exactly(
+    endpoint: str, fleet: Fleet, start_router: StartRouter
+) -> None:
+    rr = await _router(start_router, fleet)
+    reference, run = await _killed_after_5(rr, fleet, endpoint)
     _assert_same(run, reference)
     assert await _migrations(rr, cause="connection_lost", kind="token_ids") == 1
     assert await _saved(rr) == 1
@@ -261,17 +267,8 @@ async def test_without_token_ids_a_stream_is_continued_from_its_text(
 ) -> None:
     """Engines that return no token ids: the completion's prompt plus the delivered text,
     or the chat with the delivered text as a final assistant message to continue."""
-    fleet = fleet_without_ids
-    rr = await _router(start_router, fleet)
-    prompt = f"textual {endpoint} stream"
-    reference = await _stream(rr.url, endpoint, prompt)
-    fleet.forget()
-
-    async def kill(n: int) -> None:
-        if n == 5:
-            fleet.serving(prompt).kill()
-
-    run = await _stream(rr.url, endpoint, prompt, kill)
+    rr = await _router(start_router, fleet_without_ids)
+    reference, run = await _killed_after_5(rr, fleet_without_ids, endpoint)
     assert run.text == reference.text
     assert len(run.heads) == 1
     assert await _migrations(rr, cause="connection_lost", kind="text") == 1

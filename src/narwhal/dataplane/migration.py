@@ -101,6 +101,12 @@ def _payload(raw: bytes) -> bytes | None:
     return b"\n".join(data) if data else None
 
 
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    """OpenAI's usage object, in vLLM's key order."""
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion}  # fmt: skip
+
+
 class Splice:
     """One client stream across its legs; see the module's docstring."""
 
@@ -256,8 +262,7 @@ class Splice:
             prompt = len(self._prompt_ids)
         else:
             prompt = max(0, int(usage.get("prompt_tokens") or 0) - before)
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                "completion_tokens": completion}  # fmt: skip
+        return _usage(prompt, completion)
 
     # ------------------------------------------------------------------ what comes next
     @property
@@ -270,9 +275,7 @@ class Splice:
         usage or `[DONE]`): the usage if asked for and not sent, then `[DONE]`."""
         out = []
         if self._include_usage and not self._usage_sent and self._prompt_ids is not None:
-            prompt, completion = len(self._prompt_ids), self._tokens
-            usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                     "completion_tokens": completion}  # fmt: skip
+            usage = _usage(len(self._prompt_ids), self._tokens)
             obj = "chat.completion.chunk" if self._chat else "text_completion"
             event = {**(self._head or {}), "object": obj, "choices": [], "usage": usage}
             out.append(b"data: " + orjson.dumps(event) + b"\n\n")

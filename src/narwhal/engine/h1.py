@@ -335,8 +335,10 @@ class H1Client:
         if target is None:
             target = self._targets[method, url] = _target(method, url)
         data = target.head + _header_lines(headers, len(body)) + body
-        for _ in range(2):
-            connection = await self._connection(target.origin)
+        for attempt in range(2):
+            # The resend takes a new socket: the other idle ones may be as dead (an engine
+            # that restarted leaves every one of them so).
+            connection = await self._connection(target.origin, reuse=attempt == 0)
             reused = connection.uses > 0
             try:
                 connection.send(data)
@@ -350,12 +352,12 @@ class H1Client:
                 connection.abort()  # cancelled or failed mid-answer: never reused
                 raise
             return EngineResponse(connection, self)
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise AssertionError("unreachable: a fresh socket is never `reused`")  # pragma: no cover
 
     # ------------------------------------------------------------------ the pool
-    async def _connection(self, origin: tuple[str, int, bool]) -> _Connection:
+    async def _connection(self, origin: tuple[str, int, bool], reuse: bool) -> _Connection:
         while True:
-            idle = self._idle.get(origin)
+            idle = self._idle.get(origin) if reuse else None
             now = self.loop.time()
             while idle:
                 connection = idle.pop()  # the most recently used: the least likely closed

@@ -113,11 +113,13 @@ class SharedInFlight:
         return self._table.total(self._columns[engine_id])
 
 
-class SharedBudget:
-    """The router's data connections in use, as a `Budget` of worker `row`: a unit is taken
-    under the table's lock (the check and the increment are one step for every worker, so the
-    sum never passes `limit`); a unit is given back without it (a reader that misses it
-    refuses once, harmlessly)."""
+class _SharedCount:
+    """A router-wide bound of `limit` on the sum of one column, taken by worker `row`: a unit
+    is taken under the table's lock (the check and the increment are one step for every
+    worker, so the sum never passes `limit`); a unit is given back without it (a reader that
+    misses it refuses once, harmlessly)."""
+
+    _column: int
 
     def __init__(self, table: WorkerTable, row: int, limit: int) -> None:
         self._table = table
@@ -127,16 +129,22 @@ class SharedBudget:
     def take(self) -> bool:
         table = self._table
         with table.locked():
-            if table.total(POOL_IN_USE) >= self._limit:
+            if table.total(self._column) >= self._limit:
                 return False
-            table.add(self._row, POOL_IN_USE, 1)
+            table.add(self._row, self._column, 1)
             return True
 
     def give_back(self) -> None:
-        self._table.add(self._row, POOL_IN_USE, -1)
+        self._table.add(self._row, self._column, -1)
 
 
-class SharedSockets:
+class SharedBudget(_SharedCount):
+    """The router's data connections in use, as a `dataplane.pool.Budget` of worker `row`."""
+
+    _column = POOL_IN_USE
+
+
+class SharedSockets(_SharedCount):
     """The router's open engine sockets, as an `engine.h1.SocketBudget` of worker `row`.
 
     Connections in use are bounded by `SharedBudget`; this bounds what they leave behind, the
@@ -146,21 +154,7 @@ class SharedSockets:
     none, it says it waits (`SOCKETS_WANTED`), and the workers holding idle sockets close
     them (`engine/h1.py`)."""
 
-    def __init__(self, table: WorkerTable, row: int, limit: int) -> None:
-        self._table = table
-        self._row = row
-        self._limit = limit
-
-    def take(self) -> bool:
-        table = self._table
-        with table.locked():
-            if table.total(SOCKETS_OPEN) >= self._limit:
-                return False
-            table.add(self._row, SOCKETS_OPEN, 1)
-            return True
-
-    def give_back(self) -> None:
-        self._table.add(self._row, SOCKETS_OPEN, -1)
+    _column = SOCKETS_OPEN
 
     def want(self, delta: int) -> None:
         self._table.add(self._row, SOCKETS_WANTED, delta)
