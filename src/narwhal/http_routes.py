@@ -88,11 +88,15 @@ def add_routes(app: web.Application, router: Router) -> None:
             }
         )
 
-    async def operator_request(request: web.Request) -> tuple[str, str | None] | web.Response:
-        """The engine id (404 if unknown) and the optional `reason` of an admin POST body.
+    async def operator_request(
+        request: web.Request, flags: tuple[str, ...] = ()
+    ) -> tuple[str, str | None, dict[str, bool]] | web.Response:
+        """The engine id (404 if unknown), the optional `reason` of an admin POST body, and
+        its boolean `flags` (false when absent).
 
         No body, or an empty one, is fine; a body must be a JSON object whose `reason`, if
-        present, is a string (400 otherwise, before anything changes).
+        present, is a string and whose flags are booleans (400 otherwise, before anything
+        changes).
         """
         refusal = router.ownership.operator_refusal() if router.ownership is not None else None
         if refusal is not None:  # a standby's change would be overwritten by the next handoff
@@ -102,7 +106,7 @@ def add_routes(app: web.Application, router: Router) -> None:
             return openai_error(404, f"no engine {engine_id!r}", "not_found_error")
         raw = await request.read()
         if not raw.strip():
-            return engine_id, None
+            return engine_id, None, dict.fromkeys(flags, False)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -114,31 +118,47 @@ def add_routes(app: web.Application, router: Router) -> None:
             return openai_error(
                 400, "reason must be a string", "invalid_request_error", param="reason"
             )
-        return engine_id, reason or None
+        for flag in flags:
+            if not isinstance(body.get(flag, False), bool):
+                return openai_error(
+                    400, f"{flag} must be true or false", "invalid_request_error", param=flag
+                )
+        return engine_id, reason or None, {flag: body.get(flag, False) for flag in flags}
 
     async def drain(request: web.Request) -> web.StreamResponse:
         found = await operator_request(request)
         if isinstance(found, web.Response):
             return found
-        engine_id, reason = found
+        engine_id, reason, _ = found
         router.operator.drain(engine_id, reason)
         router.publish()
         return web.json_response({"engine": engine_id, "hold": "operator_drain"})
 
     async def maintenance(request: web.Request) -> web.StreamResponse:
-        found = await operator_request(request)
+        found = await operator_request(request, ("migrate",))
         if isinstance(found, web.Response):
             return found
-        engine_id, reason = found
+        engine_id, reason, flags = found
+        if flags["migrate"] and not router.config.serving.migrations:
+            return openai_error(
+                409,
+                "migrate: streams migrate only under serving.policy bounded with "
+                "serving.migration_limit above 0",
+                "conflict_error",
+                param="migrate",
+            )
         await router.operator.maintenance(engine_id, reason)
-        router.publish()
-        return web.json_response({"engine": engine_id, "hold": "planned_maintenance"})
+        router.publish()  # the hold first: a moved stream's next pair avoids this engine
+        if flags["migrate"]:
+            router.move_streams(engine_id)
+        answer = {"engine": engine_id, "hold": "planned_maintenance"}
+        return web.json_response({**answer, "migrate": True} if flags["migrate"] else answer)
 
     async def readmit(request: web.Request) -> web.StreamResponse:
         found = await operator_request(request)
         if isinstance(found, web.Response):
             return found
-        engine_id, reason = found
+        engine_id, reason, _ = found
         steps = await router.operator.readmit(engine_id, reason)
         router.publish()
         ok = all(s["ok"] for s in steps)

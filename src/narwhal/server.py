@@ -291,6 +291,14 @@ class Router:
         if self.supervisor is not None:
             self.supervisor.publish_now()
 
+    def move_streams(self, engine_id: str) -> None:
+        """Migrate the streams decoding on `engine_id` now, in every data plane (planned
+        maintenance with `migrate`)."""
+        if self.supervisor is not None:
+            self.supervisor.move_streams(engine_id)
+        else:
+            self.dataplane.move_streams(engine_id)
+
     def data_pool_usage(self) -> tuple[int, int]:
         """Data connections in use and requests waiting for one, over every data plane."""
         if self.supervisor is not None:

@@ -11,6 +11,8 @@ one `id`, `created` and `model`.
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -394,3 +396,73 @@ async def test_a_finished_generation_whose_end_was_lost_is_ended_without_migrati
     assert text == ref
     assert await _migrations(rr) == 0
     assert await _saved(rr) == 1
+
+
+# ------------------------------------------------------------------ planned maintenance
+
+
+async def _narwhal_cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "narwhal.cli.operator", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+async def test_maintenance_with_migrate_moves_a_stream_off_its_decode_at_once(
+    endpoint: str, fleet: Fleet, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """`narwhal maintenance ID --migrate` after the client had 5 chunks: the stream goes on
+    on the other decode, exactly, with nothing charged to the engine it left, which holds
+    `planned_maintenance` and stays up (nothing was killed)."""
+    rr = await _router(start_router, fleet)
+    prompt = f"maintenance {endpoint} stream"
+    reference = await _stream(rr.url, endpoint, prompt)
+    fleet.forget()
+    moved: list[str] = []
+
+    async def maintenance(n: int) -> None:
+        if n == 5:
+            engine = f"d{fleet.decodes.index(fleet.serving(prompt))}"
+            code, out, err = await _narwhal_cli("--url", rr.url, "maintenance", engine, "--migrate")
+            assert code == 0, err
+            assert (
+                out.strip() == f"{engine}: planned_maintenance, its streams moving to other engines"
+            )
+            moved.append(engine)
+
+    run = await _stream(rr.url, endpoint, prompt, maintenance)
+    _assert_same(run, reference)
+    assert await _migrations(rr, cause="maintenance", kind="token_ids") == 1
+    assert await _saved(rr) == 1
+    left = fleet.decodes[int(moved[0][1:])]
+    other = fleet.decodes[1 - int(moved[0][1:])]
+    assert [r for r in other.requests() if isinstance(r["body"].get("prompt"), list)]
+    assert left.running
+    async with http.get(rr.url + "/metrics") as r:
+        text = await r.text()
+    assert metric_sum(text, "narwhal_engine_failures_total", engine=moved[0]) == 0
+    engines = await (await http.get(rr.url + "/admin/engines")).json()
+    state = next(e for e in engines["engines"] if e["id"] == moved[0])
+    assert state["holds"] == ["planned_maintenance"]
+    assert state["ejected"] is False and not any(state["evidence"].values())
+
+
+async def test_maintenance_with_migrate_is_refused_where_streams_never_migrate(
+    fleet: Fleet, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Under `single_attempt` nothing can move: 409, and no hold is taken. A `migrate` that is
+    not a boolean is a 400 that names it."""
+    rr = await start_router(fleet.engines(), serving={"policy": "single_attempt"})
+    url = rr.url + "/admin/engines/d0/maintenance"
+    async with http.post(url, json={"migrate": True}) as resp:
+        assert resp.status == 409
+        assert "serving.policy bounded" in (await resp.json())["error"]["message"]
+    async with http.post(url, json={"migrate": "yes"}) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "migrate"
+    engines = await (await http.get(rr.url + "/admin/engines")).json()
+    assert all(e["holds"] == [] for e in engines["engines"])

@@ -20,11 +20,14 @@ class AdminError(Exception):
     """A failure to talk to the router, printed as `narwhal: <reason>` (exit 1)."""
 
 
-def _call(url: str, token: str | None, method: str, path: str) -> tuple[int, Any]:
+def _call(url: str, token: str | None, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
     try:
-        request = urllib.request.Request(url.rstrip("/") + path, method=method)
+        request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method)
     except ValueError as exc:
         raise AdminError(f"bad --url {url!r}: {exc}") from None
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -115,7 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     engines = sub.add_parser("engines", parents=common, help="the engines as the router sees them")
     engines.add_argument("--json", action="store_true")
     for name in ("drain", "maintenance", "readmit"):
-        sub.add_parser(name, parents=common, help=f"{name} an engine").add_argument("engine_id")
+        action = sub.add_parser(name, parents=common, help=f"{name} an engine")
+        action.add_argument("engine_id")
+        if name == "maintenance":
+            action.add_argument(
+                "--migrate",
+                action="store_true",
+                help="move the engine's in-flight streams to other engines now instead of "
+                "letting them finish there (serving.policy bounded)",
+            )
     handoff = sub.add_parser("handoff", parents=common, help="inspect or validate a handoff file")
     hsub = handoff.add_subparsers(dest="handoff_command", required=True)
     inspect = hsub.add_parser(
@@ -296,8 +307,13 @@ def _run(args: argparse.Namespace) -> int:
                 + (f", {monitor['degraded']}" if monitor["degraded"] else "")
             )
         return 0
+    migrate = getattr(args, "migrate", False)
     status, body = _call(
-        args.url, args.token, "POST", f"/admin/engines/{args.engine_id}/{args.command}"
+        args.url,
+        args.token,
+        "POST",
+        f"/admin/engines/{args.engine_id}/{args.command}",
+        {"migrate": True} if migrate else None,
     )
     if args.command == "readmit" and isinstance(body, dict) and "steps" in body:
         for step in body["steps"]:
@@ -307,7 +323,8 @@ def _run(args: argparse.Namespace) -> int:
     if status != 200:
         print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
         return EXIT_ERROR
-    print(f"{args.engine_id}: {body.get('hold', 'ok')}")
+    moving = ", its streams moving to other engines" if body.get("migrate") else ""
+    print(f"{args.engine_id}: {body.get('hold', 'ok')}{moving}")
     return 0
 
 

@@ -90,6 +90,12 @@ class DeadlineExceeded(Exception):
     """The request's own deadline ran out while the engine was making progress."""
 
 
+class Moved(Exception):
+    """The operator moved the stream off its decode engine (planned maintenance with
+    `migrate`) before the stream's first byte: the policy retries it elsewhere, and the engine
+    is charged nothing."""
+
+
 class Interrupted(Exception):
     """A leg failed after the client's stream began, and the stream can be continued
     (`dataplane/migration.py`); the engine has its evidence already."""
@@ -100,7 +106,7 @@ class Interrupted(Exception):
         self.cause = cause
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # hashed by identity: a key of `_movable`
 class _Attempt:
     """One prefill/decode attempt; `started` flips once this attempt sent the client bytes.
     `splice` follows a stream that may be migrated, across attempts."""
@@ -109,6 +115,7 @@ class _Attempt:
     started: bool = False
     handoff_failed: bool = False  # the decode refused the handoff or recomputed the prompt
     splice: Splice | None = None
+    moved: bool = False  # the operator moved the stream off its decode engine
 
 
 class DataPlane:
@@ -149,9 +156,24 @@ class DataPlane:
         self._leg_outcomes = Children(metrics.leg_outcomes)
         self._migrations_by = Children(metrics.migrations)
         self._migrated = Children(metrics.migrated_streams)
+        # The streams that may migrate, by the engine they decode on: `move_streams` expires
+        # their read timers.
+        self._movable: dict[str, dict[_Attempt, asyncio.Timeout]] = {}
         # llama.cpp's server has no token ids in its OpenAI answers: not migrated (yet).
         vllm = all(e.api == "vllm" for e in config.engines)
         self._migration_limit = config.serving.migrations if vllm else 0
+
+    def move_streams(self, engine_id: str) -> int:
+        """Migrate every stream decoding on `engine_id` now: each one's read ends as if it
+        had timed out, and the stream goes on elsewhere with no evidence against the engine
+        (planned maintenance with `migrate`). Returns how many were moved."""
+        streams = self._movable.get(engine_id, {})
+        for attempt, timer in streams.items():
+            attempt.moved = True
+            timer.reschedule(asyncio.get_running_loop().time())
+        if streams:
+            log.info("moving %d streams off %s (planned maintenance)", len(streams), engine_id)
+        return len(streams)
 
     # ---------------------------------------------------------------- entry point
     async def handle(self, endpoint: Endpoint, exchange: Exchange) -> Result:
@@ -256,7 +278,7 @@ class DataPlane:
             except ClientError as exc:
                 content_type = exc.content_type or "application/json"
                 return Answer(exc.status, exc.body, content_type, "client_error")
-            except (EngineFailure, Saturated) as exc:
+            except (EngineFailure, Saturated, Moved) as exc:
                 last = exc
                 if attempt.started:
                     break
@@ -300,7 +322,7 @@ class DataPlane:
             except Interrupted as exc:
                 failure, cause = exc.failure, exc.cause
                 continue
-            except (EngineFailure, Saturated, NoCapacity, DeadlineExceeded) as exc:
+            except (EngineFailure, Saturated, NoCapacity, DeadlineExceeded, Moved) as exc:
                 failure, cause = exc, _reason(exc)  # before the continuation's first byte
                 continue
             except (BadRequest, ClientError) as exc:
@@ -632,6 +654,8 @@ class DataPlane:
         try:
             async with asyncio.timeout_at(None) as timer:
                 watch = ReadWatchdog(loop, timer, first_deadline, request_deadline, idle_s)
+                if splice is not None:
+                    self._movable.setdefault(engine.id, {})[attempt] = timer
                 try:
                     watch.reading()
                     # Serialised here and not kept: orjson's output holds a 4 KB buffer,
@@ -688,7 +712,11 @@ class DataPlane:
                     ) from None
                 finally:
                     watch.close()
+                    if splice is not None:
+                        self._unmovable(engine.id, attempt)
         except TimeoutError:
+            if attempt.moved:
+                return await self._moved(attempt, request_deadline)
             if watch.writing_expired:
                 # The client stopped reading and let the request's deadline pass: not an
                 # engine's fault. Cut it off so its data connection and the engine's slot free.
@@ -740,6 +768,23 @@ class DataPlane:
             raise
         await _release_at_eof(resp)
         return Streamed(outcome)
+
+    def _unmovable(self, engine_id: str, attempt: _Attempt) -> None:
+        streams = self._movable[engine_id]
+        del streams[attempt]
+        if not streams:
+            del self._movable[engine_id]
+
+    async def _moved(self, attempt: _Attempt, until: float) -> Result:
+        """The operator moved this stream off its engine: retried elsewhere before its first
+        byte, continued elsewhere after it (`Interrupted`, with nothing charged)."""
+        if not attempt.started:
+            raise Moved()
+        splice = attempt.splice
+        assert splice is not None
+        splice.interrupted_s = splice.last_sent_s
+        failure = EngineFailure(FailureClass.STREAM, "moved off for planned maintenance")
+        raise Interrupted(failure, "maintenance")
 
     async def _open_stream(
         self, exchange: Exchange, deadline: float, splice: Splice | None, now: float
@@ -834,6 +879,8 @@ def _reason(exc: Exception) -> str:
         return "no_capacity"
     if isinstance(exc, DeadlineExceeded):
         return "deadline"
+    if isinstance(exc, Moved):
+        return "maintenance"
     return "saturated"
 
 
@@ -876,6 +923,14 @@ def _status_for(exc: Exception | None) -> tuple[int, str]:
 
 
 def _failure_response(exc: Exception | None) -> Answer:
+    if isinstance(exc, Moved):  # every attempt was moved off by planned maintenance
+        return error_answer(
+            503,
+            "engines went into planned maintenance during the request",
+            "service_unavailable",
+            "no_capacity",
+            retry_after_s=1,
+        )
     if isinstance(exc, Saturated):
         return error_answer(
             503, f"server saturated: {exc}", "service_unavailable", "saturated", retry_after_s=1

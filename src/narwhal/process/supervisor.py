@@ -380,6 +380,14 @@ class Supervisor:
         if self._scheduled:
             self._broadcast()
 
+    def move_streams(self, engine_id: str) -> None:
+        """Every worker migrates its streams decoding on `engine_id`. Sent after the engine's
+        hold (`publish_now`), in the same ordered channel, so a moved stream's next pair
+        avoids it."""
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.send("move", engine=engine_id)
+
     def _broadcast(self) -> None:
         """The engines that changed this turn, and the gate, to every worker, written now."""
         if not self._scheduled:

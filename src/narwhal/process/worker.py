@@ -133,6 +133,8 @@ class Worker:
             self.gate.data = GateData.from_json(frame["gate"])
         elif kind == "ack":
             self.reporter.acked(frame["upto"])
+        elif kind == "move":
+            self.dataplane.move_streams(frame["engine"])
         elif kind == "drain":
             self.grace_s = frame["grace_s"]
             self.drain.set()
