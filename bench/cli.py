@@ -1,6 +1,7 @@
 """`python -m bench --mode quick|full|soak --report FILE --results DIR [--suites a,b] [--no-peers]`.
 
-`--workers-sweep 1,2,4,8` replaces the router_bound suite's Narwhal `serving.workers` values.
+`--workers-sweep 1,2,4,8` replaces the router_bound suite's Narwhal `serving.workers` values;
+`--bounded-twin 1,auto` (or `none`) the ones it also runs under `serving.policy: bounded`.
 
 Starts everything on loopback, runs the suites in order (each bounded in requests and time),
 stops everything, writes DIR/<mode>.json (raw results) and the Markdown report.
@@ -60,6 +61,13 @@ def _workers(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _twin(text: str) -> tuple[str, ...]:
+    try:
+        return router_bound.parse_twin(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="quick")
@@ -77,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="Narwhal serving.workers values for router_bound, e.g. 1,2,4,8 or 1,2,auto "
         "(default: the mode's, 1,2,auto)",
+    )
+    p.add_argument(
+        "--bounded-twin",
+        type=_twin,
+        metavar="N,N,...|none",
+        help="router_bound: the workers values (of the sweep) that also run under "
+        "serving.policy: bounded, as narwhal-w<N>-bounded, or none (default: the mode's, auto)",
     )
     p.add_argument(
         "--ab-src",
@@ -101,6 +116,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, soak_s=args.soak_s)
     if args.workers_sweep:
         mode = replace(mode, router_bound_workers=args.workers_sweep)
+    if args.bounded_twin is not None:
+        mode = replace(mode, router_bound_bounded=args.bounded_twin)
     results_dir, work = _prepare(args.results, mode.name)
     started = time.time()
     if args.no_peers:

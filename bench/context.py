@@ -24,12 +24,16 @@ def router_spec(name: str) -> RouterSpec:
     (bench.floor: the HTTP stack's own cost), `direct`; `narwhal-uvloop` and `floor-uvloop`
     (the same on uvloop), `floor-raw` (bench.floor_raw: the floor on asyncio protocols,
     httptools and uvloop), `floor-granian` (bench.floor_granian: granian serving);
-    `narwhal-w<N>` and `narwhal-wauto`: Narwhal with `serving.workers` N or auto."""
+    `narwhal-w<N>` and `narwhal-wauto`: Narwhal with `serving.workers` N or auto, and
+    `narwhal-w<N>-bounded`, `narwhal-wauto-bounded`: the same under `serving.policy: bounded`."""
     if name in ("direct", "floor", "floor-raw", "floor-granian"):
         return RouterSpec(name, name)
     if name.startswith("narwhal-w"):
-        workers = name.removeprefix("narwhal-w")
-        return RouterSpec(name, "narwhal", workers=workers if workers == "auto" else int(workers))
+        workers = name.removeprefix("narwhal-w").removesuffix("-bounded")
+        policy = "bounded" if name.endswith("-bounded") else "single_attempt"
+        return RouterSpec(
+            name, "narwhal", policy=policy, workers=workers if workers == "auto" else int(workers)
+        )
     if name == "floor-uvloop":
         return RouterSpec(name, "floor", uvloop=True)
     if name.startswith("narwhal"):

@@ -60,11 +60,19 @@ class Mode:
     floor_ab_reps: int = 3
     # router-bound with data-plane workers (bench.suites.router_bound; part of full mode):
     # Narwhal once per `serving.workers` value (`--workers-sweep` replaces the list), the peers
-    # beside it; 5 targets x 2 stream modes x 2 concurrencies x 3 rounds of 4 s is ~6 min
+    # beside it; 5 targets x 2 stream modes x 2 concurrencies x 3 rounds of 4 s is ~6 min, ~7
+    # with the bounded twin below
     router_bound_workers: tuple[str, ...] = ("1", "2", "auto")
     router_bound_c: tuple[int, ...] = (64, 256)
     router_bound_s: float = 4.0  # seconds per measured run
     router_bound_reps: int = 3
+    # the bounded twin: each of these `serving.workers` values (those also in
+    # `router_bound_workers`) runs a second time under `serving.policy: bounded`
+    # (`narwhal-w<N>-bounded`), in these stream modes ("no" json, "yes" stream), at every
+    # concurrency, for "bounded ÷ single_attempt" in the same run; () turns it off
+    # (`--bounded-twin` replaces the list). At `auto`, json and stream: 2 x 2 x 3 rounds, ~1 min
+    router_bound_bounded: tuple[str, ...] = ("auto",)
+    router_bound_bounded_streams: tuple[str, ...] = ("no", "yes")
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")

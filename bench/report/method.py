@@ -28,9 +28,12 @@ make bench          # full mode: this file, raw JSON in bench-results/full.json 
 make bench-quick    # quick mode: bench-results/quick.md (under a minute once set up)
 .venv/bin/python -m bench --mode full --report docs/benchmarks.md --results bench-results \\
     [--suites overhead,streams,faults,control,profile,llama,floor_ab,router_bound] [--no-peers]
-# the router-bound suite alone, e.g. on a bigger machine with its own workers list (~6 min here):
+# the router-bound suite alone, e.g. on a bigger machine with its own workers list (~7 min here):
 .venv/bin/python -m bench --mode full --suites router_bound --workers-sweep 1,2,4,8,auto \\
     --report bench-results/router_bound.md --results bench-results/router_bound
+# ... with the bounded twin (serving.policy: bounded) at every workers value, not only auto:
+.venv/bin/python -m bench --mode full --suites router_bound --bounded-twin 1,2,auto \\
+    --report bench-results/rb-bounded.md --results bench-results/rb-bounded
 ```
 
 The first run creates `bench/.venv` and installs the peers there with pip (`vllm-router==0.1.17`,
@@ -91,7 +94,8 @@ policy cannot matter.
 ```
 
 Narwhal's configuration (overhead suite; the streams suite raises `serving.max_connections` and
-`queue_limit` to 4096, `narwhal-bounded` sets `serving.policy: bounded`, nothing else changes):
+`queue_limit` to 4096, `narwhal-bounded` and router_bound's `narwhal-w<N>-bounded` set
+`serving.policy: bounded`, nothing else changes):
 
 ```yaml
 {config}

@@ -1,6 +1,7 @@
 """The router-bound section (bench.suites.router_bound): Narwhal's data-plane workers beside the
-peers, the issue 17 §4 targets against vllm-router, each process's CPU and memory, and what a
-16-core router host would carry."""
+peers, the issue 17 §4 targets against vllm-router, the bounded twin (`serving.policy: bounded`
+beside `single_attempt`), each process's CPU and memory, and what a 16-core router host would
+carry."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def _narwhal(suite: dict[str, Any]) -> list[str]:
 
 def judged(suite: dict[str, Any]) -> str | None:
     """The Narwhal variant the targets are judged on: `workers: auto` when it ran, else the
-    most workers (a sweep without auto)."""
+    most workers (a sweep without auto); always a `single_attempt` one, never a bounded twin."""
     workers: dict[str, str] = suite.get("workers", {})
-    ran = _narwhal(suite)
+    twins = suite.get("bounded", {})
+    ran = [t for t in _narwhal(suite) if t not in twins]
     auto = [t for t in ran if workers[t] == "auto"]
     if auto:
         return auto[0]
@@ -210,6 +212,76 @@ def _targets(suite: dict[str, Any]) -> str:
     )
 
 
+def bounded_cells(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cell and bounded twin: its medians beside its `single_attempt` target's, and the
+    ratios bounded ÷ single_attempt of req/s, CPU per request and p50 latency (each a ratio of
+    the two medians over the rounds)."""
+    out = []
+    for stream, c in _cells(suite):
+        for twin, single in suite.get("bounded", {}).items():
+            b, s = point(suite, twin, stream, c), point(suite, single, stream, c)
+            if b is None or s is None:
+                continue
+            out.append(
+                {
+                    "stream": stream,
+                    "c": c,
+                    "twin": twin,
+                    "single": single,
+                    "rps": (_value(s, "throughput"), _value(b, "throughput")),
+                    "cpu": (_value(s, "router_cpu_s_per_1k"), _value(b, "router_cpu_s_per_1k")),
+                    "p50": (_value(s, "p50_ms"), _value(b, "p50_ms")),
+                    "rps_x": _x(_value(b, "throughput"), _value(s, "throughput")),
+                    "cpu_x": _x(_value(b, "router_cpu_s_per_1k"), _value(s, "router_cpu_s_per_1k")),
+                    "p50_x": _x(_value(b, "p50_ms"), _value(s, "p50_ms")),
+                    "failed": (_failed(s), _failed(b)),
+                    "reps": min(int(s.get("reps", 0)), int(b.get("reps", 0))),
+                }
+            )
+    return out
+
+
+def _ratio(x: float) -> str:
+    return "-" if math.isnan(x) else f"**{x:.2f}x**"
+
+
+def _bounded(suite: dict[str, Any]) -> str:
+    rows = []
+    for t in bounded_cells(suite):
+        base = " (`@base`)" if t["single"].endswith("@base") else ""
+        rows.append(
+            [
+                MODES[t["stream"]],
+                str(t["c"]),
+                label(suite, t["single"]) + base,
+                num(t["rps"][0], 0),
+                num(t["rps"][1], 0),
+                _ratio(t["rps_x"]),
+                num(t["cpu"][0], 3),
+                num(t["cpu"][1], 3),
+                _ratio(t["cpu_x"]),
+                f"{num(t['p50'][0], 2)} / {num(t['p50'][1], 2)}",
+                f"{t['failed'][0]} / {t['failed'][1]}",
+                str(t["reps"]),
+            ]
+        )
+    header = [
+        "mode",
+        "c",
+        "workers",
+        "req/s single_attempt",
+        "req/s bounded",
+        "req/s bounded ÷ single_attempt",
+        "CPU s / 1k req single_attempt",
+        "CPU s / 1k req bounded",
+        "CPU / req bounded ÷ single_attempt",
+        "p50 ms single_attempt / bounded",
+        "failed single_attempt / bounded",
+        "rounds",
+    ]
+    return table(header, rows)
+
+
 def _join(parts: dict[str, dict[str, float]], key: str, fmt: Callable[[float], str]) -> str:
     return " · ".join(f"{_short(role)} {fmt(v[key])}" for role, v in parts.items())
 
@@ -356,7 +428,8 @@ def _projection(suite: dict[str, Any]) -> str:
 
 def _intro(suite: dict[str, Any]) -> str:
     cs = " and ".join(f"c={c}" for c in suite["concurrency"])
-    sweep = ", ".join(suite.get("workers", {}).values()) or "none"
+    twins = suite.get("bounded", {})
+    sweep = ", ".join(w for t, w in suite.get("workers", {}).items() if t not in twins) or "none"
     return (
         f"One prefill and one decode sim answering at once (no inter-token latency, no TTFT "
         f"delay), prompts of {suite['prompt_words']} words, `max_tokens` {suite['max_tokens']} "
@@ -368,13 +441,35 @@ def _intro(suite: dict[str, Any]) -> str:
         f"`max_connections` {suite.get('max_connections', 256)} (sized for c=256: a request can "
         "hold a socket to each engine at once; at the default 256 the c=256 cells measure the "
         "bound, "
-        "docs/dataplane.md) and policy `single_attempt`; `auto` is the usable CPUs, "
+        "docs/dataplane.md) and policy `single_attempt` (the bounded twin aside, below); `auto` "
+        "is the usable CPUs, "
         f"{suite.get('usable_cpus', '?')} here. Router CPU is utime + stime of every process of "
         "the router (the process started and its descendants: for Narwhal with workers the "
         "control process and its worker children), from /proc before and after the measured "
         "run, per 1,000 answered requests (ok or failed); RSS is each process's VmRSS at the end "
         "of the run. The load generator's CPU is a share of one core: near 100% it, not the "
         f"router, is the limit. The suite took {suite.get('wall_s', 0):.0f} s."
+    )
+
+
+def _twin_intro(suite: dict[str, Any]) -> str:
+    twins = suite.get("bounded", {})
+    workers = suite.get("workers", {})
+    values = ", ".join(dict.fromkeys(f"`{workers[t]}`" for t in twins if t in workers))
+    modes = " and ".join(MODES[m] for m in suite.get("bounded_streams", ["no", "yes"]))
+    return (
+        f"Narwhal with `serving.workers` {values} ran a second time under `serving.policy: "
+        "bounded` (`narwhal-w<N>-bounded`, configured the same otherwise), in the same rounds "
+        f"and cells ({modes}), after its `single_attempt` run in each round's order "
+        "(`--bounded-twin` changes the list, `none` turns it off). Under `bounded` a stream "
+        "that may migrate, every stream here, is relayed event by event through the migration "
+        "splice (`Splice`, src/narwhal/dataplane/migration.py) rather than as raw bytes, and "
+        "asks the engines for token ids (`return_token_ids`), so the decode's events are "
+        "longer; a non-streaming request differs only in waiting for a data connection "
+        "instead of a `saturated` 503 and in its retry budget, neither used when nothing "
+        "fails. The ratios are bounded ÷ single_attempt of the medians over the rounds: "
+        "above 1x, bounded carries more req/s, spends more router CPU per request, or is "
+        "slower at p50."
     )
 
 
@@ -398,6 +493,17 @@ def render(suite: dict[str, Any]) -> str:
         f"#### Issue 17 §4 targets against {BASE}",
         "",
         _targets(suite),
+    ]
+    if bounded_cells(suite):
+        out += [
+            "#### Bounded twin: `serving.policy: bounded` ÷ `single_attempt`",
+            "",
+            _twin_intro(suite),
+            "",
+            _bounded(suite),
+            "",
+        ]
+    out += [
         "#### Per process",
         "",
         "Each process's CPU per 1,000 requests and its RSS (medians over the rounds; `wK` is "

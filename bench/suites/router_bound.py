@@ -1,5 +1,8 @@
 """Router-bound, with data-plane workers (issue 17 §4): Narwhal with `serving.workers` 1, 2 and
-`auto` (or the `--workers-sweep` list) beside vllm-router and sglang-router.
+`auto` (or the `--workers-sweep` list) beside vllm-router and sglang-router, and the bounded
+twin: Narwhal at some of those workers values (`auto` by default) again under
+`serving.policy: bounded`, where a stream that may migrate is relayed event by event through
+the migration splice instead of as raw bytes, for its cost beside `single_attempt`.
 
 One prefill and one decode sim that answer at once (no inter-token latency, no TTFT delay),
 `max_tokens` 8, c=64 and c=256, non-streaming then streaming; `reps` rounds, each running every
@@ -63,6 +66,36 @@ NARWHAL = {"serving": {"max_connections": MAX_CONNECTIONS}}
 def narwhal_target(workers: str) -> str:
     """The bench's name for Narwhal with `serving.workers` = `workers` (bench.context)."""
     return f"narwhal-w{workers}"
+
+
+def bounded_target(workers: str) -> str:
+    """The same under `serving.policy: bounded`: the bounded twin of `narwhal_target`."""
+    return f"narwhal-w{workers}-bounded"
+
+
+def plan(
+    sweep: tuple[str, ...], twinned: tuple[str, ...], ab: bool
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The Narwhal targets, each with its `serving.workers` value, in the order they run (each
+    bounded twin right after its `single_attempt` target), and bounded twin -> its
+    `single_attempt` target. Only workers values in `sweep` get a twin. `ab` (`--ab-src`): every
+    target beside its `@base` twin from the other tree."""
+    workers: dict[str, str] = {}
+    twins: dict[str, str] = {}
+    for w in sweep:
+        workers[narwhal_target(w)] = w
+        if w in twinned:
+            workers[bounded_target(w)] = w
+            twins[bounded_target(w)] = narwhal_target(w)
+    if ab:
+        workers = {n: w for t, w in workers.items() for n in (t, f"{t}@base")}
+        twins = {n: m for t, s in twins.items() for n, m in ((t, s), (f"{t}@base", f"{s}@base"))}
+    return workers, twins
+
+
+def parse_twin(text: str) -> tuple[str, ...]:
+    """`--bounded-twin`: workers values as for `parse_workers`, or `none` for no twin."""
+    return () if text.strip() == "none" else parse_workers(text)
 
 
 def parse_workers(text: str) -> tuple[str, ...]:
@@ -265,7 +298,7 @@ def _log(ctx: Context, row: dict[str, Any]) -> None:
     procs = ", ".join(f"{role} {p['cpu_s_per_1k']:.3f}" for role, p in sorted(row["procs"].items()))
     failed = f" failed {row['failed']} {row['failed_by']}" if row["failed"] else ""
     ctx.log(
-        f"router_bound {row['target']:14} c={row['c']:<3} stream={row['stream']:3} "
+        f"router_bound {row['target']:21} c={row['c']:<3} stream={row['stream']:3} "
         f"rep={row['rep']} {row['throughput']:7.0f} req/s p50 {row['p50_ms']:.2f} ms "
         f"cpu/1k {row['router_cpu_s_per_1k']:.3f} s ({procs}){failed}"
     )
@@ -273,9 +306,12 @@ def _log(ctx: Context, row: dict[str, Any]) -> None:
 
 async def run(ctx: Context) -> dict[str, Any]:
     mode = ctx.mode
-    workers = {narwhal_target(w): w for w in mode.router_bound_workers}
-    if ctx.ab_src is not None:  # each Narwhal target beside its twin from the other tree
-        workers = {n: w for t, w in workers.items() for n in (t, f"{t}@base")}
+    workers, twins = plan(
+        mode.router_bound_workers, mode.router_bound_bounded, ctx.ab_src is not None
+    )
+    missing = [w for w in mode.router_bound_bounded if w not in mode.router_bound_workers]
+    if missing:
+        ctx.log(f"router_bound: no bounded twin for workers {missing}: not in the sweep")
     names = [*workers, *PEERS]
     fleet = SimFleet.plan(1, 1, ctx.model, FLAGS, ctx.logs)
     await fleet.start()
@@ -294,6 +330,8 @@ async def run(ctx: Context) -> dict[str, Any]:
                 for rep in range(mode.router_bound_reps):
                     order = order0[rep % len(order0) :] + order0[: rep % len(order0)]
                     for name in order:
+                        if name in twins and stream not in mode.router_bound_bounded_streams:
+                            continue
                         row = await _measure(ctx, routers[name], engines, name, stream, c, rep)
                         samples.append(row)
                         _log(ctx, row)
@@ -309,6 +347,10 @@ async def run(ctx: Context) -> dict[str, Any]:
     return {
         "targets": targets,
         "workers": {n: w for n, w in workers.items() if n in routers},
+        "bounded": {t: s for t, s in twins.items() if t in routers and s in routers},
+        "bounded_streams": [
+            s for s in ("no", "yes") if s in mode.router_bound_bounded_streams and twins
+        ],
         "worker_processes": _worker_processes(samples),
         "workers_status": status,
         "concurrency": list(mode.router_bound_c),
