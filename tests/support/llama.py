@@ -98,6 +98,10 @@ class LlamaServer:
                 raise AssertionError(f"llama-server on {self.url} not healthy in time")
             time.sleep(0.05)
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             os.kill(self._proc.pid, signal.SIGKILL)

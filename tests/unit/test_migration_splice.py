@@ -338,3 +338,84 @@ def test_a_completions_continuation_keeps_the_clients_logprobs_and_top_level_fie
     leg = splice.continuation()
     assert leg is not None
     assert (leg.body["logprobs"], leg.body["user"], leg.body["max_tokens"]) == (2, "u", 8)
+
+
+# ------------------------------------------------------------------ llama.cpp: ids in logprobs
+
+
+def _lp(ids: list[int]) -> dict[str, Any]:
+    """llama.cpp's `logprobs` for tokens `ids` (one top logprob each)."""
+    entry = [{"id": i, "token": "t", "bytes": [116], "logprob": -0.5} for i in ids]
+    return {"content": [{**e, "top_logprobs": [e]} for e in entry]}
+
+
+def _llama_cmpl(text: str, ids: list[int] | None, finish: str | None = None) -> dict[str, Any]:
+    choice = {"text": text, "index": 0, "logprobs": _lp(ids) if ids is not None else None}
+    choice["finish_reason"] = finish
+    return {"choices": [choice], **HEAD, "object": "text_completion"}
+
+
+def _llama_chat(text: str, ids: list[int]) -> dict[str, Any]:
+    choice = {"finish_reason": None, "index": 0, "delta": {"content": text}, "logprobs": _lp(ids)}
+    return {"choices": [choice], **CHAT_HEAD, "object": "chat.completion.chunk"}
+
+
+def test_llamacpp_legs_ask_for_one_logprob_and_the_client_does_not_see_it() -> None:
+    body = {"prompt": "Once", "max_tokens": 5, "stream": True}
+    splice = Splice("completions", body, False, "logprobs")
+    assert splice.first_body() == {**body, "logprobs": 1}
+    events = _parse(splice.relay(_sse(_llama_cmpl(" upon", [7]), _llama_cmpl(" a", [8]))))
+    assert [e["choices"][0]["logprobs"] for e in events] == [None, None]
+    assert splice.delivered == 2
+    leg = splice.continuation()
+    assert leg == Continuation(
+        "completions",
+        {"prompt": ["Once", 7, 8], "max_tokens": 3, "stream": True, "logprobs": 1},
+        TOKEN_IDS,
+    )
+
+
+def test_llamacpp_logprobs_the_client_asked_for_stay() -> None:
+    body = {"prompt": [1, 2], "max_tokens": 5, "stream": True, "logprobs": 2}
+    splice = Splice("completions", body, False, "logprobs")
+    assert splice.first_body() == body
+    events = _parse(splice.relay(_sse(_llama_cmpl(" upon", [7]))))
+    assert events[0]["choices"][0]["logprobs"] == _lp([7])
+    leg = splice.continuation()
+    assert leg is not None and leg.body["prompt"] == [1, 2, 7]
+    assert leg.body["logprobs"] == 2
+
+
+def test_a_llamacpp_chat_continues_over_its_rendered_prompt() -> None:
+    body = {"messages": MESSAGES, "max_tokens": 6, "stream": True, "seed": 3}
+    splice = Splice("chat", body, False, "logprobs")
+    assert splice.first_body() == {**body, "logprobs": True, "top_logprobs": 1}
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}
+    out = splice.relay(_sse({**role, **CHAT_HEAD}, _llama_chat("Hel", [5]), _llama_chat("lo", [6])))
+    assert [("logprobs" in e["choices"][0]) for e in _parse(out)] == [False, False, False]
+    assert splice.needs_rendered_prompt
+    assert splice.continuation() is None  # the rendered prompt is needed
+    leg = splice.continuation("<user>hi</user>")
+    assert leg is not None and leg.kind == TOKEN_IDS and leg.endpoint == "completions"
+    assert leg.body == {
+        "prompt": ["<user>hi</user>", 5, 6],
+        "max_tokens": 4,
+        "stream": True,
+        "seed": 3,
+        "logprobs": 1,
+    }
+    splice.start_leg(leg)
+    out = splice.relay(_sse(_llama_cmpl("!", [9], finish="length")))
+    (event,) = _parse(out)
+    assert event["object"] == "chat.completion.chunk" and event["id"] == "chatcmpl-1"
+    assert "logprobs" not in event["choices"][0] and event["choices"][0]["delta"] == {
+        "content": "!"
+    }
+
+
+def test_a_llamacpp_token_without_its_id_continues_from_text() -> None:
+    splice = Splice("completions", {"prompt": "Once", "max_tokens": 5}, False, "logprobs")
+    splice.relay(_sse(_llama_cmpl(" upon", [7]), _llama_cmpl(" a", None)))
+    leg = splice.continuation()
+    assert leg is not None and leg.kind == TEXT
+    assert leg.body["prompt"] == "Once upon a" and leg.body["max_tokens"] == 3

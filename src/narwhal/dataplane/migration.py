@@ -6,8 +6,10 @@ clock): the proxy feeds it each leg's bytes and sends the client what it returns
 
 - Only whole SSE events are relayed, so a leg that dies mid-event leaves nothing half-sent.
 - Each event says what was delivered: the prompt's token ids (the first event) and each
-  chunk's `token_ids`, which vLLM adds when a request says `"return_token_ids": true`, and the
-  text, for engines that give no ids.
+  chunk's `token_ids`, which vLLM adds when a request says `"return_token_ids": true`; or,
+  from llama.cpp's `llama-server`, each token's `id` in its `logprobs` (asked for with one
+  top logprob), with the prompt given again as the engine renders it; and the text, for
+  engines that give no ids.
 - The client sees only what it asked for (no ids unless it asked), and a continuation looks
   like the first leg: the same `id`, `created` and `model`, chat deltas from a completion
   continuation, and `usage` that counts the original prompt and every token once.
@@ -25,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from narwhal.engine.adapter import Endpoint
+from narwhal.engine.adapter import BY_LOGPROBS, BY_RETURN_TOKEN_IDS, Endpoint
 
 TOKEN_IDS, TEXT = "token_ids", "text"
 # vLLM's `max_tokens` for /v1/completions when the request gives none. Chat has no fixed
@@ -110,11 +112,21 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 class Splice:
     """One client stream across its legs; see the module's docstring."""
 
-    def __init__(self, endpoint: Endpoint, body: dict[str, Any], include_usage: bool) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        include_usage: bool,
+        ids_by: str = BY_RETURN_TOKEN_IDS,
+    ) -> None:
         self.endpoint = endpoint
         self._body = body  # the client's request
         self._chat = endpoint == "chat"
-        self._client_ids = body.get("return_token_ids") is True
+        self._by_logprobs = ids_by == BY_LOGPROBS
+        self._client_ids = not self._by_logprobs and body.get("return_token_ids") is True
+        # llama.cpp: logprobs the client asked for stay (a completion's `logprobs: 0` gives
+        # none there); the ones asked for the ids are taken out again.
+        self._client_logprobs = bool(body.get("logprobs"))
         self._include_usage = include_usage
         self.opened = False  # the client has the stream's head (the proxy sets it)
         self.migrations = 0
@@ -138,7 +150,20 @@ class Splice:
 
     def first_body(self) -> dict[str, Any]:
         """The first leg's request: the client's, asking for token ids."""
+        if self._by_logprobs:
+            return self._body if self._client_logprobs else _with_logprobs(self._body, self._chat)
         return self._body if self._client_ids else {**self._body, "return_token_ids": True}
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The client's request."""
+        return self._body
+
+    @property
+    def needs_rendered_prompt(self) -> bool:
+        """A chat continued where the engine gives no prompt ids: `continuation` needs the
+        prompt as the engine's chat template renders it."""
+        return self._chat and self._by_logprobs
 
     def start_leg(self, leg: Continuation) -> None:
         """The next events come from `leg`."""
@@ -236,7 +261,12 @@ class Splice:
                 return None  # the continuation's own role event: the client had one
         else:
             text = choice.get("text")
-        token_ids = choice.get("token_ids")
+        token_ids = _logprob_ids(choice) if self._by_logprobs else choice.get("token_ids")
+        if self._by_logprobs:  # logprobs the client did not ask for, as llama.cpp omits them
+            if self._chat and (leg is not None or not self._client_logprobs):
+                choice.pop("logprobs", None)  # a chat continuation's are a completion's
+            elif not self._chat and not self._client_logprobs:
+                choice["logprobs"] = None
         if isinstance(token_ids, list):
             self._ids.extend(token_ids)
             self._tokens += len(token_ids)
@@ -283,9 +313,10 @@ class Splice:
         self.done = True
         return b"".join(out)
 
-    def continuation(self) -> Continuation | None:
+    def continuation(self, rendered_prompt: str | None = None) -> Continuation | None:
         """The next leg's request, or None when there is nothing left to generate or no way
-        to continue (no token ids and a prompt that is not text)."""
+        to continue (no token ids and a prompt that is not text; a chat that
+        `needs_rendered_prompt` without it)."""
         if self.finished or self.done:
             return None
         body, k = self._body, self._tokens
@@ -295,11 +326,24 @@ class Splice:
             limit = body.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
         if limit is not None and limit - k <= 0:
             return None
-        if self._prompt_ids is not None and self._ids_whole:
-            dropped = _CHAT_ONLY if self._chat else {"echo"}
+        dropped = _CHAT_ONLY if self._chat else {"echo"}
+        if self._by_logprobs:
+            prompt = rendered_prompt if self._chat else _one_prompt(body.get("prompt"))
+            if prompt is None:
+                return None
+            base = {key: v for key, v in body.items() if key not in dropped}
+            if self._ids_whole:  # llama.cpp takes text followed by token ids as one prompt
+                head = prompt if isinstance(prompt, list) else [prompt]
+                base["prompt"], kind = [*head, *self._ids], TOKEN_IDS
+            elif isinstance(prompt, str):
+                base["prompt"], kind = prompt + "".join(self._text), TEXT
+            else:
+                return None
+            endpoint: Endpoint = "completions"
+        elif self._prompt_ids is not None and self._ids_whole:
             base = {key: v for key, v in body.items() if key not in dropped}
             base["prompt"] = [*self._prompt_ids, *self._ids]
-            endpoint: Endpoint = "completions"
+            endpoint = "completions"
             kind = TOKEN_IDS
         elif self._chat:
             base = dict(body)
@@ -322,5 +366,40 @@ class Splice:
         if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
             base["min_tokens"] = max(0, min_tokens - k)
         base["stream"] = True
-        base["return_token_ids"] = True
+        if self._by_logprobs:
+            if self._chat or not self._client_logprobs:
+                base = _with_logprobs(base, chat=False)
+        else:
+            base["return_token_ids"] = True
         return Continuation(endpoint, base, kind)
+
+
+def _with_logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """`body` asking llama.cpp for each token's logprob, which carries its id (one top
+    logprob: the least it gives ids with)."""
+    if chat:
+        return {**body, "logprobs": True, "top_logprobs": 1}
+    return {**body, "logprobs": 1}
+
+
+def _logprob_ids(choice: dict[str, Any]) -> list[int] | None:
+    """The token ids of a llama.cpp choice's `logprobs.content`, or None without them."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    ids = [entry.get("id") for entry in content if isinstance(entry, dict)]
+    if len(ids) != len(content) or not all(isinstance(i, int) for i in ids):
+        return None
+    return ids  # type: ignore[return-value]
+
+
+def _one_prompt(prompt: Any) -> str | list[int] | None:
+    """A completion's one prompt, as text or token ids (unwrapped from a one-item list)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return None

@@ -159,9 +159,8 @@ class DataPlane:
         # The streams that may migrate, by the engine they decode on: `move_streams` expires
         # their read timers.
         self._movable: dict[str, dict[_Attempt, asyncio.Timeout]] = {}
-        # llama.cpp's server has no token ids in its OpenAI answers: not migrated (yet).
-        vllm = all(e.api == "vllm" for e in config.engines)
-        self._migration_limit = config.serving.migrations if vllm else 0
+        self._migration_limit = config.serving.migrations
+        self._ids_by = adapters(config.engines[0]).token_ids_by  # a fleet speaks one API
 
     def move_streams(self, engine_id: str) -> int:
         """Migrate every stream decoding on `engine_id` now: each one's read ends as if it
@@ -263,7 +262,9 @@ class DataPlane:
                 break
             splice = None
             if may_migrate:  # each attempt from scratch: nothing reached the client yet
-                splice = Splice(client_req.endpoint, client_req.body, client_req.include_usage)
+                splice = Splice(
+                    client_req.endpoint, client_req.body, client_req.include_usage, self._ids_by
+                )
                 req = replace(client_req, body=splice.first_body())
             attempt = _Attempt(self._new_id(), splice=splice)
             try:
@@ -305,8 +306,16 @@ class DataPlane:
         pair can, end the stream with the error event (DESIGN §1, "Migration")."""
         failure: Exception = interrupted.failure
         cause = interrupted.cause
+        rendered: str | None = None
         while splice.migrations < self._migration_limit and self._clock.monotonic() < deadline:
-            leg = splice.continuation()
+            if splice.needs_rendered_prompt and rendered is None:
+                try:
+                    rendered = await self._rendered_chat(splice, deadline)
+                except (EngineFailure, NoCapacity) as exc:
+                    failure, cause = exc, _reason(exc)
+                    splice.migrations += 1
+                    continue
+            leg = splice.continuation(rendered)
             if leg is None:
                 break
             splice.migrations += 1
@@ -337,6 +346,21 @@ class DataPlane:
             return Streamed("ok" if ok else "deadline")
         self._migrated("lost").inc()
         return await self._error_event(exchange, failure, until)
+
+    async def _rendered_chat(self, splice: Splice, deadline: float) -> str | None:
+        """The chat's prompt as an eligible engine's template renders it (llama.cpp gives
+        no prompt ids in the stream)."""
+        now = self._clock.monotonic()
+        role = self._fleet.needed_roles()[0]
+        engine_id = least_in_flight(self._fleet.candidates(role, now), 0)
+        if engine_id is None:
+            raise NoCapacity(role)
+        engine = self._fleet.get(engine_id).config
+        headers = engine_headers(self._api_keys[engine.id], self._new_id())
+        timeout_s = max(0.0, min(self._serving.first_token_timeout_s, deadline - now))
+        return await self._adapters(engine).rendered_chat(
+            PoolKind.DATA, engine, splice.body, headers, timeout_s
+        )
 
     def _loop_deadline(self, deadline: float) -> float:
         """`deadline` (our clock) on the loop's clock, which asyncio's timeouts use."""

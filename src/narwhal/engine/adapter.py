@@ -72,10 +72,17 @@ class SlotsBusy(Exception):
     """No engine slot came free in time: the router's own saturation, not engine evidence."""
 
 
+# How an engine API tells a stream's token ids (`Adapter.token_ids_by`; used by migration).
+BY_RETURN_TOKEN_IDS, BY_LOGPROBS = "return_token_ids", "logprobs"
+
+
 class Adapter(Protocol):
     # True when only the decode can tell whether a handoff was usable (it refuses it, or
     # recomputes the prompt): the prefill's success then waits for the decode's verdict.
     decode_verifies_handoff: bool
+    # How a stream tells its token ids, for migration (`dataplane/migration.py`):
+    # `return_token_ids` (vLLM) or `logprobs` (llama.cpp).
+    token_ids_by: str
 
     async def prefill(
         self,
@@ -107,6 +114,18 @@ class Adapter(Protocol):
 
     def unified_body(self, client_body: dict[str, Any]) -> dict[str, Any]:
         """The body for a whole request on an engine with role `both`."""
+        ...
+
+    async def rendered_chat(
+        self,
+        pool: PoolKind,
+        engine: EngineConfig,
+        chat_body: dict[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> str | None:
+        """The chat's prompt as the engine's template renders it, for a migrated chat when
+        the stream gave no prompt ids (None where they always come with the stream)."""
         ...
 
     def recomputed(self, final_event: bytes | None) -> str | None:

@@ -30,6 +30,7 @@ import orjson
 from narwhal.clock import Clock
 from narwhal.config import EngineConfig
 from narwhal.engine.adapter import (
+    BY_LOGPROBS,
     PATHS,
     Endpoint,
     FinishedInPrefill,
@@ -160,6 +161,8 @@ async def _unlink(path: Path) -> None:
 
 class LlamaCppAdapter:
     decode_verifies_handoff = True  # a slot file is judged only when the decode restores it
+    # Its OpenAI answers carry no token ids, but each token's logprob carries its id.
+    token_ids_by = BY_LOGPROBS
 
     def __init__(self, client: EngineClient, clock: Clock, control_timeout_s: float) -> None:
         self._client = client
@@ -282,6 +285,33 @@ class LlamaCppAdapter:
 
     def recomputed(self, final_event: bytes | None) -> str | None:
         return recomputed(final_event)
+
+    async def rendered_chat(
+        self,
+        pool: PoolKind,
+        engine: EngineConfig,
+        chat_body: dict[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> str | None:
+        """`POST /apply-template`: the prompt llama-server would build for the chat. Given
+        back to it as text followed by token ids, it tokenizes to exactly the chat's prompt
+        and the delivered tokens."""
+        keys = ("messages", "chat_template_kwargs")
+        body = {k: chat_body[k] for k in keys if k in chat_body}
+        status, answer, _ = await self._post(
+            pool, engine.url + "/apply-template", body, headers, timeout_s
+        )
+        if status != 200:
+            cls = classify_status(status, answer) or FailureClass.INFERENCE_STATUS
+            raise EngineFailure(cls, f"apply-template answered HTTP {status}", status=status)
+        try:
+            prompt = orjson.loads(answer).get("prompt")
+        except (orjson.JSONDecodeError, AttributeError):
+            prompt = None
+        if not isinstance(prompt, str):
+            raise EngineFailure(FailureClass.INFERENCE_STATUS, "apply-template gave no prompt")
+        return prompt
 
     async def discard(self, producer: EngineConfig, handoff: object) -> None:
         """Remove the slot file, when the router can see the engines' slot directory.

@@ -16,6 +16,7 @@ import orjson
 
 from narwhal.config import EngineConfig
 from narwhal.engine.adapter import (
+    BY_RETURN_TOKEN_IDS,
     PATHS,
     Endpoint,
     FinishedInPrefill,
@@ -140,6 +141,7 @@ class VllmAdapter:
     """vLLM with the NixlConnector: the handoff travels in the decode body; nothing to free."""
 
     decode_verifies_handoff = False  # an unreadable handoff is visible in the prefill's answer
+    token_ids_by = BY_RETURN_TOKEN_IDS
 
     def __init__(self, client: EngineClient, control_timeout_s: float) -> None:
         self._client = client
@@ -187,6 +189,17 @@ class VllmAdapter:
 
     def unified_body(self, client_body: dict[str, Any]) -> dict[str, Any]:
         return client_body
+
+    async def rendered_chat(
+        self,
+        pool: PoolKind,
+        engine: EngineConfig,
+        chat_body: dict[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> str | None:
+        """Never needed: vLLM gives a chat's prompt ids in the stream's first chunk."""
+        return None
 
     def recomputed(self, final_event: bytes | None) -> str | None:
         return None  # vLLM reports nothing per request; unreadable handoffs are refused earlier
