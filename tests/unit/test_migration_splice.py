@@ -162,7 +162,7 @@ def test_the_error_event_and_what_follows_are_not_relayed() -> None:
 # ------------------------------------------------------------------ completions continuation
 def test_completions_continuation_over_token_ids() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 10, "min_tokens": 3, "seed": 7}
-    body |= {"temperature": 0.5, "echo": True, "stream": True}
+    body |= {"temperature": 0.5, "stream": True}
     splice = _first_leg_cmpl(body)
     assert splice.continuation() == Continuation(
         "completions",
@@ -262,7 +262,7 @@ def test_concatenated_text_across_legs_is_every_token_once() -> None:
 
 # ------------------------------------------------------------------ text fallback
 def test_completions_text_fallback() -> None:
-    splice = Splice("completions", {"prompt": "hi", "max_tokens": 10, "echo": True}, False)
+    splice = Splice("completions", {"prompt": "hi", "max_tokens": 10}, False)
     splice.relay(_sse(_cmpl(" a", None), _cmpl(" b", None)))
     body = {"prompt": "hi a b", "max_tokens": 8, "stream": True, "return_token_ids": True}
     assert splice.continuation() == Continuation("completions", body, TEXT)
@@ -419,3 +419,21 @@ def test_a_llamacpp_token_without_its_id_continues_from_text() -> None:
     leg = splice.continuation()
     assert leg is not None and leg.kind == TEXT
     assert leg.body["prompt"] == "Once upon a" and leg.body["max_tokens"] == 3
+
+
+def test_a_continuations_text_offsets_follow_the_delivered_text() -> None:
+    """vLLM counts a completion's `text_offset` from the start of its own output."""
+    splice = _first_leg_cmpl({"prompt": "hi", "max_tokens": 10, "logprobs": 1})
+    delivered = len(" a b")
+    leg = splice.continuation()
+    assert leg is not None
+    splice.start_leg(leg)
+    event = _cmpl(" c", [13])
+    event["choices"][0]["logprobs"] = {"text_offset": [0], "tokens": [" c"]}
+    (out,) = _parse(splice.relay(_sse(event)))
+    assert out["choices"][0]["logprobs"]["text_offset"] == [delivered]
+
+
+def test_an_echoed_completion_is_not_migrated() -> None:
+    assert not migratable("completions", {"prompt": "hi", "echo": True})
+    assert migratable("completions", {"prompt": "hi", "echo": False})

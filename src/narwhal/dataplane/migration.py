@@ -70,10 +70,14 @@ _CONSTRAINED = (
 
 
 def migratable(endpoint: Endpoint, body: dict[str, Any]) -> bool:
-    """Whether a streamed request can be continued elsewhere if its decode fails."""
+    """Whether a streamed request can be continued elsewhere if its decode fails. Not a
+    completion that echoes its prompt: the echo's text and ids are the prompt's, in the
+    stream as if generated, so what was delivered would be miscounted."""
     if any(body.get(key) for key in _CONSTRAINED):
         return False
     if endpoint == "completions":
+        if body.get("echo"):
+            return False
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             return len(prompt) == 1  # one prompt in a list (of text or of token ids)
@@ -140,6 +144,7 @@ class Splice:
         self._tokens = 0  # completion tokens delivered
         self._leg: Continuation | None = None  # the current leg, when it is a continuation
         self._tokens_before_leg = 0
+        self._chars_before_leg = 0  # the text delivered before the current leg
         self._usage_sent = False
         self._tail = b""
         self._cr = False
@@ -169,6 +174,7 @@ class Splice:
         """The next events come from `leg`."""
         self._leg = leg
         self._tokens_before_leg = self._tokens
+        self._chars_before_leg = sum(map(len, self._text))
         self._tail = b""
         self._cr = False
         self.errored = False
@@ -273,6 +279,8 @@ class Splice:
         elif text:
             self._ids_whole = False
             self._tokens += 1
+        if leg is not None and not self._chat and self._chars_before_leg:
+            _rebase_offsets(choice, self._chars_before_leg)
         if text:
             self._text.append(text)
         if choice.get("finish_reason") is not None:
@@ -326,7 +334,7 @@ class Splice:
             limit = body.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
         if limit is not None and limit - k <= 0:
             return None
-        dropped = _CHAT_ONLY if self._chat else {"echo"}
+        dropped = _CHAT_ONLY if self._chat else frozenset()
         if self._by_logprobs:
             prompt = rendered_prompt if self._chat else _one_prompt(body.get("prompt"))
             if prompt is None:
@@ -354,7 +362,7 @@ class Splice:
             base.pop("max_completion_tokens", None)
             endpoint, kind = "chat", TEXT
         elif isinstance(body.get("prompt"), str):
-            base = {key: v for key, v in body.items() if key != "echo"}
+            base = dict(body)
             base["prompt"] = body["prompt"] + "".join(self._text)
             endpoint, kind = "completions", TEXT
         else:
@@ -372,6 +380,15 @@ class Splice:
         else:
             base["return_token_ids"] = True
         return Continuation(endpoint, base, kind)
+
+
+def _rebase_offsets(choice: dict[str, Any], chars: int) -> None:
+    """A continuation's completion logprobs count `text_offset` from its own first token: in
+    the client's stream they follow the `chars` characters already delivered."""
+    logprobs = choice.get("logprobs")
+    offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
+    if isinstance(offsets, list) and all(type(o) is int for o in offsets):
+        logprobs["text_offset"] = [o + chars for o in offsets]
 
 
 def _with_logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
