@@ -386,7 +386,9 @@ def _rebase_offsets(choice: dict[str, Any], chars: int) -> None:
     """A continuation's completion logprobs count `text_offset` from its own first token: in
     the client's stream they follow the `chars` characters already delivered."""
     logprobs = choice.get("logprobs")
-    offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
+    if not isinstance(logprobs, dict):
+        return
+    offsets = logprobs.get("text_offset")
     if isinstance(offsets, list) and all(type(o) is int for o in offsets):
         logprobs["text_offset"] = [o + chars for o in offsets]
 
