@@ -450,7 +450,7 @@ class Router:
             if self.supervisor is not None:
                 await self.supervisor.stop(self.config.serving.shutdown_grace_s)
                 # The workers are gone: back to this process's own counts, table released.
-                self.fleet.in_flight = InFlight(e.id for e in self.config.engines)
+                self.fleet.in_flight = InFlight(e.id for e in self.fleet)
                 self.supervisor.table.close()
                 self.supervisor = None
             if self.ownership is not None:
@@ -467,12 +467,16 @@ class Router:
         """Reserve the port, serve the admin surface on a Unix socket for the workers to
         forward to, and render their metrics with ours; `run` starts them. In-flight counts
         are then the sums of the workers' rows of a shared table; this process only reads."""
-        table = WorkerTable.create(self.workers, [e.id for e in self.config.engines])
-        self.fleet.in_flight = SharedInFlight(table, None)
+        table = WorkerTable.create(self.workers)
+        in_flight = SharedInFlight(table, None)
+        for engine in self.fleet:
+            in_flight.add(engine.id)
+        self.fleet.in_flight = in_flight
         sup = self.supervisor = Supervisor(
             self.config,
             self.workers,
             table,
+            in_flight,
             self.fleet,
             self.admission,
             lambda: self.ownership.keeper.admission_window() if self.ownership else None,

@@ -792,7 +792,7 @@ async def test_requests_at_the_bound_each_close_an_idle_socket_for_their_own() -
 async def shared_clients(limit: int) -> AsyncIterator[tuple[H1Client, H1Client, WorkerTable]]:
     """Two clients that share one bound the way two data-plane workers do: through the
     workers' real table (one process here; `lockf` is the same lock for both)."""
-    table = WorkerTable.create(2, [])
+    table = WorkerTable.create(2)
     a = H1Client(limit, shared=SharedSockets(table, 0, limit))
     b = H1Client(limit, shared=SharedSockets(table, 1, limit))
     try:

@@ -21,8 +21,8 @@ LIMIT = 3
 
 @pytest.fixture
 def tables() -> Iterator[tuple[WorkerTable, WorkerTable]]:
-    first = WorkerTable.create(2, ["p0", "d0"])
-    second = WorkerTable(os.dup(first.fd), 2, ["p0", "d0"])
+    first = WorkerTable.create(2)
+    second = WorkerTable(os.dup(first.fd), 2)
     try:
         yield first, second
     finally:

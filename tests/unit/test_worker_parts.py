@@ -224,16 +224,6 @@ def test_replica_load_replaces_only_the_named_engines() -> None:
     assert replica.roles_without_verified() == [Role.PREFILL]
 
 
-def test_replica_refuses_an_unknown_engine() -> None:
-    stranger = EngineState(
-        config=EngineConfig(id="zz", url="http://127.0.0.1:9", role=Role.BOTH), role=Role.BOTH
-    )
-    replica = FleetReplica(ENGINES, FakeClock())
-    with pytest.raises(KeyError, match="zz"):
-        replica.load([stranger])
-    assert not replica.has("zz")
-
-
 def test_replica_refuses_events() -> None:
     replica = FleetReplica(ENGINES, FakeClock())
     before = list(replica)
@@ -244,7 +234,7 @@ def test_replica_refuses_events() -> None:
 
 # --------------------------------------------------------------------------- shared table
 def test_table_rows_add_sum_and_zero() -> None:
-    table = WorkerTable.create(3, IDS)
+    table = WorkerTable.create(3)
     try:
         assert [table.get(r, c) for r in range(3) for c in range(table.width)] == [0] * (
             3 * table.width
@@ -264,21 +254,40 @@ def test_table_rows_add_sum_and_zero() -> None:
         table.close()
 
 
+def _members(
+    table: WorkerTable,
+    rows: Sequence[int],
+    ids: Sequence[str] = IDS,
+    columns: dict[str, int] | None = None,
+) -> tuple[SharedInFlight, list[SharedInFlight]]:
+    """The control process's counts with a column per member (or the given `columns`), and
+    each worker's, bound to the same columns (as the snapshots tell them)."""
+    control = SharedInFlight(table, None)
+    for engine_id in ids:
+        if columns is None:
+            control.add(engine_id)
+        else:
+            control.bind(engine_id, columns[engine_id])
+    workers = []
+    for row in rows:
+        worker = SharedInFlight(table, row)
+        for engine_id, column in control.columns.items():
+            worker.bind(engine_id, column)
+        workers.append(worker)
+    return control, workers
+
+
 def test_shared_in_flight_writes_its_row_and_reads_every_row() -> None:
-    table = WorkerTable.create(2, IDS)
+    table = WorkerTable.create(2)
     try:
-        w0, w1, control = (
-            SharedInFlight(table, 0),
-            SharedInFlight(table, 1),
-            SharedInFlight(table, None),
-        )
+        control, (w0, w1) = _members(table, (0, 1))
         w0.enter("d0")
         w0.enter("d0")
         w1.enter("d0")
         w1.enter("b0")
         w0.leave("d0")
-        assert table.get(0, table.columns["d0"]) == 1
-        assert table.get(1, table.columns["d0"]) == 1
+        assert table.get(0, control.columns["d0"]) == 1
+        assert table.get(1, control.columns["d0"]) == 1
         assert [control.of(e) for e in IDS] == [0, 2, 1]
         assert w0.of("d0") == w1.of("d0") == 2
         with pytest.raises(AssertionError):
@@ -297,9 +306,9 @@ def _least_of(counts: SharedInFlight | InFlight, ids: Sequence[str]) -> Choose:
 def test_a_claim_in_one_worker_is_seen_by_the_next_claim_in_another() -> None:
     """Two workers placing at once land on different engines, and the rotation is the
     router's: alternate workers alternate engines, as one process would."""
-    table = WorkerTable.create(2, IDS)
+    table = WorkerTable.create(2)
     try:
-        w0, w1 = SharedInFlight(table, 0), SharedInFlight(table, 1)
+        control, (w0, w1) = _members(table, (0, 1))
         pair = ["b0", "p0"]
         assert w0.claim("prefill", _least_of(w0, pair)) == "b0"
         assert w1.claim("prefill", _least_of(w1, pair)) == "p0"  # b0 is w0's, in flight
@@ -314,7 +323,7 @@ def test_a_claim_in_one_worker_is_seen_by_the_next_claim_in_another() -> None:
         assert picks == ["b0", "p0", "b0", "p0"]
         assert w0.claim("decode", _least_of(w0, pair)) == "b0"  # each role its own turn
         assert w0.claim("both", lambda turn: None) is None
-        assert table.get(0, table.columns["b0"]) == 1
+        assert table.get(0, control.columns["b0"]) == 1
     finally:
         table.close()
 
@@ -333,10 +342,10 @@ def test_in_process_claims_rotate_per_role() -> None:
     assert counts.of("b0") == 1
 
 
-def _claim_many(fd: int, row: int, n: int, out: Path) -> None:
+def _claim_many(fd: int, row: int, n: int, out: Path, columns: dict[str, int]) -> None:
     """Claim `n` times (never leaving), and write down every turn handed out."""
-    table = WorkerTable(fd, 2, IDS)
-    counts = SharedInFlight(table, row)
+    table = WorkerTable(fd, 2)
+    _, (counts,) = _members(table, (row,), columns=columns)
     turns = []
     least = _least_of(counts, IDS)
 
@@ -352,16 +361,17 @@ def _claim_many(fd: int, row: int, n: int, out: Path) -> None:
 def test_claims_from_two_processes_at_once_are_one_step_each(tmp_path: Path) -> None:
     """Two processes claim as fast as they can: every turn is handed out exactly once (a
     claim's read and write are one step), and the counts stay balanced."""
-    table = WorkerTable.create(2, IDS)
+    table = WorkerTable.create(2)
     n = 20_000
     pids = []
+    control, _ = _members(table, ())
     try:
         for row in (0, 1):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the child
                 code = 1
                 try:
-                    _claim_many(table.fd, row, n, tmp_path / f"turns{row}")
+                    _claim_many(table.fd, row, n, tmp_path / f"turns{row}", control.columns)
                     code = 0
                 finally:
                     os._exit(code)
@@ -370,7 +380,7 @@ def test_claims_from_two_processes_at_once_are_one_step_each(tmp_path: Path) -> 
             assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
         turns = [int(t) for row in (0, 1) for t in (tmp_path / f"turns{row}").read_text().split()]
         assert sorted(turns) == list(range(2 * n))
-        totals = [SharedInFlight(table, None).of(e) for e in IDS]
+        totals = [control.of(e) for e in IDS]
         assert sum(totals) == 2 * n
         assert max(totals) - min(totals) <= 1, totals
     finally:
@@ -378,18 +388,70 @@ def test_claims_from_two_processes_at_once_are_one_step_each(tmp_path: Path) -> 
 
 
 def test_a_second_mapping_of_the_memfd_sees_the_writes() -> None:
-    table = WorkerTable.create(2, IDS)
-    other = WorkerTable(os.dup(table.fd), 2, IDS)
+    table = WorkerTable.create(2)
+    other = WorkerTable(os.dup(table.fd), 2)
     try:
-        SharedInFlight(table, 0).enter("p0")
+        control, (worker,) = _members(table, (0,))
+        worker.enter("p0")
         other.add(1, COMPLETIONS, 3)  # as a worker would, in its own process
-        assert SharedInFlight(other, None).of("p0") == 1
+        reader, _ = _members(other, (), columns=control.columns)
+        assert reader.of("p0") == 1
         assert table.total(COMPLETIONS) == 3
         table.zero(1)
         assert other.get(1, COMPLETIONS) == 0
     finally:
         other.close()
         table.close()
+
+
+def test_a_column_is_reused_only_once_the_legs_of_the_engine_that_left_have_finished() -> None:
+    """A removed engine's column stays counted while a worker's legs on it run (the worker
+    keeps it, retired), so a member that joins meanwhile gets another column."""
+    table = WorkerTable.create(1)
+    try:
+        control, (worker,) = _members(table, (0,), ["a"])
+        worker.enter("a")
+        control.remove("a")
+        worker.remove("a")
+        control.add("b")
+        first_column = control_first = worker.columns.get("a", None) or _first_column(table)
+        assert control_first == first_column
+        assert control.columns["b"] == first_column + 1  # "a"'s column still counts
+        worker.leave("a")  # the leg that outlived the removal
+        assert table.total(first_column) == 0
+        control.add("c")
+        assert control.columns["c"] == first_column  # now free again
+    finally:
+        table.close()
+
+
+def _first_column(table: WorkerTable) -> int:
+    return table.width - table.engine_columns
+
+
+def test_a_table_has_room_for_engine_columns_members_and_no_more() -> None:
+    table = WorkerTable.create(1, engine_columns=2)
+    try:
+        control, _ = _members(table, (), ["a", "b"])
+        with pytest.raises(ValueError, match="no room"):
+            control.add("c")
+        control.remove("a")
+        control.add("c")
+    finally:
+        table.close()
+
+
+def test_a_replica_takes_joins_and_leaves_from_snapshots() -> None:
+    clock = FakeClock()
+    replica = FleetReplica((), clock)
+    p0, d0 = (EngineState(config=e, role=e.role) for e in ENGINES[:2])
+    replica.load([p0, d0], full=True)
+    assert [e.id for e in replica] == ["p0", "d0"]
+    replica.load([], gone=["d0"])
+    assert [e.id for e in replica] == ["p0"]
+    replica.load([d0], full=True)  # a full snapshot drops whatever it does not name
+    assert [e.id for e in replica] == ["d0"]
+    assert replica.in_flight.of("p0") == 0
 
 
 # --------------------------------------------------------------------------- gate

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 
 from narwhal.clock import Clock
-from narwhal.config import Config, Role
+from narwhal.config import Config, EngineConfig, Role
 from narwhal.dataplane.errors import error_answer, error_body, sse_error_event
 from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
 from narwhal.dataplane.migration import Continuation, Splice, migratable
@@ -149,7 +149,8 @@ class DataPlane:
         self._timeline = timeline or Timeline()
         self.pool = pool or Pool("data", config.serving.max_connections)
         self._tokens = TokenBudget(config.serving.token_count_cache_size)
-        self._api_keys = {e.id: e.resolved_api_key() for e in config.engines}
+        # Each engine's API key, by id, with the config it was read from (members change).
+        self._api_keys: dict[str, tuple[EngineConfig, str | None]] = {}
         self._requests = Children(metrics.requests)
         self._latency = Children(metrics.total_latency)
         self._token_checks = Children(metrics.token_checks)
@@ -161,6 +162,13 @@ class DataPlane:
         self._movable: dict[str, dict[_Attempt, asyncio.Timeout]] = {}
         self._migration_limit = config.serving.migrations
         self._ids_by = adapters(config.engines[0]).token_ids_by  # a fleet speaks one API
+
+    def _key(self, config: EngineConfig) -> str | None:
+        """The engine's API key (read once per config: `api_key_env` reads the environment)."""
+        cached = self._api_keys.get(config.id)
+        if cached is None or cached[0] is not config:
+            cached = self._api_keys[config.id] = (config, config.resolved_api_key())
+        return cached[1]
 
     def move_streams(self, engine_id: str) -> int:
         """Migrate every stream decoding on `engine_id` now: each one's read ends as if it
@@ -356,7 +364,7 @@ class DataPlane:
         if engine_id is None:
             raise NoCapacity(role)
         engine = self._fleet.get(engine_id).config
-        headers = engine_headers(self._api_keys[engine.id], self._new_id())
+        headers = engine_headers(self._key(engine), self._new_id())
         timeout_s = max(0.0, min(self._serving.first_token_timeout_s, deadline - now))
         return await self._adapters(engine).rendered_chat(
             PoolKind.DATA, engine, splice.body, headers, timeout_s
@@ -385,7 +393,7 @@ class DataPlane:
                     PoolKind.DATA,
                     engine.config.url + "/tokenize",
                     orjson.dumps(body),
-                    engine_headers(self._api_keys[engine_id], attempt.request_id),
+                    engine_headers(self._key(engine.config), attempt.request_id),
                     max(
                         0.0,
                         min(
@@ -467,7 +475,7 @@ class DataPlane:
         if roles == (Role.BOTH,):
             with self._placed(Role.BOTH, tried) as engine:
                 body = self._adapters(engine.config).unified_body(req.body)
-                headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+                headers = engine_headers(self._key(engine.config), attempt.request_id)
                 return await self._final_leg(
                     req, exchange, deadline, attempt, engine, body, headers, "unified"
                 )
@@ -534,7 +542,7 @@ class DataPlane:
                 engine.config,
                 req.endpoint,
                 req.body,
-                engine_headers(self._api_keys[engine.id], attempt.request_id),
+                engine_headers(self._key(engine.config), attempt.request_id),
                 limit,
             )
         except EngineFailure as exc:
@@ -576,7 +584,7 @@ class DataPlane:
         if remaining <= 0:
             raise DeadlineExceeded()
         adapter = self._adapters(engine.config)
-        headers = engine_headers(self._api_keys[engine.id], attempt.request_id)
+        headers = engine_headers(self._key(engine.config), attempt.request_id)
         limit = min(self._serving.first_token_timeout_s, remaining)
         async with AsyncExitStack() as stack:
             try:

@@ -32,3 +32,10 @@ class Counters:
         )
         self.ejections = Counter(data.get("ejections", {}))
         self.readmissions = Counter(data.get("readmissions", {}))
+
+    def forget(self, engine_id: str) -> None:
+        """An engine left the fleet: its totals leave with it (the handoff lists members)."""
+        for key in [k for k in self.failures if k[0] == engine_id]:
+            del self.failures[key]
+        self.ejections.pop(engine_id, None)
+        self.readmissions.pop(engine_id, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from narwhal.config import Role
+from narwhal.config import EngineConfig, Role
 from narwhal.engine.failures import FailureClass, SuccessKind
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Ejection
@@ -139,6 +139,26 @@ class RoleChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class Leaving:
+    """Removed from the fleet: no new work from now on (DESIGN §10). Never ejected or charged
+    for it; the store forgets the engine once its requests settle."""
+
+    engine_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Relocated:
+    """The same engine id at a new address (a rescheduled pod, an edited config): a new
+    process, unverified until it answers, with its evidence and generation started afresh.
+    Holds and an ejection stay: what the operator or the failure decided still stands."""
+
+    engine_id: str
+    config: EngineConfig
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Restored:
     """An engine's saved state from a handoff (a `--resume`, or a standby following)."""
 
@@ -166,6 +186,8 @@ Event = (
     | GenerationSeen
     | ModelLimitLearned
     | RoleChanged
+    | Leaving
+    | Relocated
     | Restored
 )
 

@@ -31,6 +31,14 @@ class InFlightCounts(Protocol):
 
     def of(self, engine_id: str) -> int: ...
 
+    def add(self, engine_id: str) -> None:
+        """A new member: counted from zero."""
+        ...
+
+    def remove(self, engine_id: str) -> None:
+        """A member left: legs still on it leave without a trace (`leave` ignores it)."""
+        ...
+
 
 class InFlight:
     def __init__(self, engine_ids: Iterable[str]) -> None:
@@ -48,7 +56,14 @@ class InFlight:
         self._counts[engine_id] += 1
 
     def leave(self, engine_id: str) -> None:
-        self._counts[engine_id] -= 1
+        if engine_id in self._counts:
+            self._counts[engine_id] -= 1
 
     def of(self, engine_id: str) -> int:
-        return self._counts[engine_id]
+        return self._counts.get(engine_id, 0)
+
+    def add(self, engine_id: str) -> None:
+        self._counts[engine_id] = 0
+
+    def remove(self, engine_id: str) -> None:
+        self._counts.pop(engine_id, None)

@@ -22,11 +22,13 @@ from narwhal.fleet.events import (
     HoldRequested,
     HoldsExpired,
     InferenceVerified,
+    Leaving,
     LegFailed,
     LegSucceeded,
     LivenessSwept,
     ModelLimitLearned,
     Readmitted,
+    Relocated,
     Restored,
     RoleChanged,
     SuspectProbe,
@@ -94,8 +96,13 @@ _CLEARED_BY_READMISSION = (
 )
 
 
+_NOT_FOR_LEAVERS = (LegFailed, LivenessSwept, EjectRequested)
+
+
 def reduce(engine: EngineState, event: Event, ctx: Context) -> Step:
     """Apply one event to one engine."""
+    if engine.leaving is not None and isinstance(event, _NOT_FOR_LEAVERS):
+        return Step(engine)  # never ejected or charged for leaving (DESIGN §10)
     match event:
         case LegSucceeded(kind=kind):
             return Step(_clear(engine, CLEARS[kind]))
@@ -164,6 +171,23 @@ def reduce(engine: EngineState, event: Event, ctx: Context) -> Step:
                 replace(engine, role=role),
                 f"role {engine.role.value} -> {role.value} (rebalanced: {reason})",
             )
+        case Leaving(reason=reason):
+            if engine.leaving is not None:
+                return Step(engine)
+            return Step(replace(engine, leaving=reason), f"leaving: {reason}")
+        case Relocated(config=config, reason=reason):
+            if config == engine.config:
+                return Step(engine)
+            new = replace(
+                engine,
+                config=config,
+                evidence={},
+                liveness_misses=0,
+                generation=None,
+                verified=False,
+                unverified_reason=NOT_YET_SEEN,
+            )
+            return Step(new, f"relocated to {config.url}: {reason}")
         case Restored():
             return _restored(engine, event)
 

@@ -61,6 +61,8 @@ class EngineState:
     max_model_len: int | None = None
     verified: bool = False
     unverified_reason: str | None = NOT_YET_SEEN  # why not verified yet (None once verified)
+    # Removed from the fleet (DESIGN §10): no new work; forgotten once its requests settle.
+    leaving: str | None = None
 
     @property
     def id(self) -> str:
@@ -76,8 +78,10 @@ class EngineState:
         return {h.name for h in self.active_holds(now)}
 
     def status(self, now: float) -> str:
-        """A one-word summary for transition logs: ejected, held(...), unverified or
-        in-service, the first that applies."""
+        """A one-word summary for transition logs: leaving, ejected, held(...), unverified
+        or in-service, the first that applies."""
+        if self.leaving is not None:
+            return "leaving"
         if self.ejected is not None:
             return "ejected"
         held = sorted(h.name.value for h in self.active_holds(now))

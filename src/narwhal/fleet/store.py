@@ -24,6 +24,8 @@ log = logging.getLogger("narwhal.fleet")
 
 Observer = Callable[[EngineState, EngineState, Event, Step], None]
 """Told of every event that changed something: (before, after, event, step)."""
+MembershipObserver = Callable[[str, bool], None]
+"""Told of every member that joined (True) or was forgotten (False): (engine id, present)."""
 
 
 class Fleet:
@@ -41,6 +43,7 @@ class Fleet:
         self.policy = policy or Policy()
         self.in_flight: InFlightCounts = in_flight or InFlight(self._engines)
         self._observers: list[Observer] = []
+        self._membership_observers: list[MembershipObserver] = []
         self.counters = Counters()
 
     def __iter__(self) -> Iterator[EngineState]:
@@ -55,12 +58,54 @@ class Fleet:
     def has(self, engine_id: str) -> bool:
         return engine_id in self._engines
 
+    def add(self, config: EngineConfig, reason: str) -> EngineState:
+        """A new member (DESIGN §10): unverified, so never a candidate until its first
+        healthy answer."""
+        if config.id in self._engines:
+            raise ValueError(f"engine {config.id!r} is already in the fleet")
+        state = self._engines[config.id] = EngineState(config=config, role=config.role)
+        self.in_flight.add(config.id)
+        log.info(
+            "engine %s: absent -> %s (%s)",
+            config.id,
+            state.status(self._clock.monotonic()),
+            reason,
+            extra={"engine": config.id, "from": "absent", "to": "unverified", "reason": reason},
+        )
+        for observer in self._membership_observers:
+            observer(config.id, True)
+        return state
+
+    def forget(self, engine_id: str, reason: str) -> None:
+        """Remove a member and its durable counters. Its in-flight requests, if any, end on
+        their own; what they report about it is ignored (`has` is False)."""
+        state = self._engines.pop(engine_id)
+        self.in_flight.remove(engine_id)
+        self.counters.forget(engine_id)
+        old = state.status(self._clock.monotonic())
+        log.info(
+            "engine %s: %s -> absent (%s)",
+            engine_id,
+            old,
+            reason,
+            extra={"engine": engine_id, "from": old, "to": "absent", "reason": reason},
+        )
+        for observer in self._membership_observers:
+            observer(engine_id, False)
+
     def observe(self, observer: Observer) -> None:
         self._observers.append(observer)
 
+    def observe_membership(self, observer: MembershipObserver) -> None:
+        self._membership_observers.append(observer)
+
     def apply(self, event: Event, now: float) -> tuple[SuspectProbe, ...]:
-        """Apply one event at monotonic `now`; return the effects the edge must run."""
-        before = self._engines[event.engine_id]
+        """Apply one event at monotonic `now`; return the effects the edge must run. An
+        event about an engine no longer in the fleet (a leg that outlived a forced removal)
+        changes nothing."""
+        before = self._engines.get(event.engine_id)
+        if before is None:
+            return ()
         step = reduce(before, event, Context(now, self._clock.wall(), self.policy))
         after = step.state
         if isinstance(event, LegFailed):
@@ -99,6 +144,7 @@ class Fleet:
             if e.serves(role)
             and e.verified
             and e.ejected is None
+            and e.leaving is None
             and not any(h.name not in SOFT_HOLDS for h in e.active_holds(now))
         ]
         free = [e for e in base if not e.active_holds(now)]
@@ -114,6 +160,7 @@ class Fleet:
             if e.serves(role)
             and e.verified
             and e.ejected is None
+            and e.leaving is None
             and {h.name for h in e.active_holds(now) if h.name not in SOFT_HOLDS}
             == {HoldName.INFERENCE_VERIFICATION}
         ]

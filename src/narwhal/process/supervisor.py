@@ -39,7 +39,14 @@ from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.gate import GateData
-from narwhal.process.table import CHAT, COMPLETIONS, POOL_IN_USE, POOL_WAITING, WorkerTable
+from narwhal.process.table import (
+    CHAT,
+    COMPLETIONS,
+    POOL_IN_USE,
+    POOL_WAITING,
+    SharedInFlight,
+    WorkerTable,
+)
 from narwhal.state.lease import AdmissionWindow
 from narwhal.telemetry.metrics import Metrics
 from narwhal.telemetry.timeline import Timeline
@@ -104,6 +111,7 @@ class Supervisor:
         config: Config,
         count: int,
         table: WorkerTable,
+        in_flight: SharedInFlight,
         fleet: Fleet,
         admission: Admission,
         lease_window: Callable[[], AdmissionWindow | None],
@@ -117,6 +125,7 @@ class Supervisor:
         self._config = config
         self.count = count
         self.table = table
+        self._in_flight = in_flight
         self._fleet = fleet
         self._admission = admission
         self._lease_window = lease_window
@@ -132,6 +141,8 @@ class Supervisor:
         self._queue_shares = shares(config.serving.queue_limit, count)
         self.version = 0
         self._dirty: set[str] = set()
+        self._configured: set[str] = set()  # members whose config the workers need anew
+        self._gone: set[str] = set()  # members forgotten since the last snapshot
         self._scheduled = False
         self._stopping = False
         self._window_s = control_window_s(config)
@@ -140,6 +151,7 @@ class Supervisor:
         self.port = 0
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         fleet.observe(self._on_fleet_change)
+        fleet.observe_membership(self._on_membership)
         admission.on_change(self._schedule)
 
     # ---------------------------------------------------------------- start and run
@@ -246,7 +258,7 @@ class Supervisor:
             parent, lambda f: self._on_frame(w, f), lambda: self._on_lost(w)
         )
         channel.send("hello", **self._hello(w))
-        self._send_snapshot(channel, list(self._fleet))
+        self._send_snapshot(channel, list(self._fleet), full=True)
         channel.flush()
         waiter = asyncio.ensure_future(proc.wait())
         try:
@@ -367,6 +379,20 @@ class Supervisor:
     # ---------------------------------------------------------------- frames out
     def _on_fleet_change(self, before: EngineState, after: EngineState, *_: Any) -> None:
         self._dirty.add(after.id)
+        if after.config is not before.config:  # relocated
+            self._configured.add(after.id)
+        self._schedule()
+
+    def _on_membership(self, engine_id: str, present: bool) -> None:
+        """A member joined (the workers need its config and column) or was forgotten."""
+        if present:
+            self._gone.discard(engine_id)
+            self._dirty.add(engine_id)
+            self._configured.add(engine_id)
+        else:
+            self._gone.add(engine_id)
+            self._dirty.discard(engine_id)
+            self._configured.discard(engine_id)
         self._schedule()
 
     def _schedule(self) -> None:
@@ -394,18 +420,43 @@ class Supervisor:
             return  # published early by `publish_now`
         self._scheduled = False
         changed = [self._fleet.get(e) for e in sorted(self._dirty)]
+        gone = sorted(self._gone)
+        configured = set(self._configured)
         self._dirty.clear()
+        self._gone.clear()
+        self._configured.clear()
         self.version += 1
         for w in self.workers:
             if w.channel is not None:
-                self._send_snapshot(w.channel, changed)
+                self._send_snapshot(w.channel, changed, configured=configured, gone=gone)
                 w.channel.flush()
 
-    def _send_snapshot(self, channel: Channel, engines: list[EngineState]) -> None:
+    def _send_snapshot(
+        self,
+        channel: Channel,
+        engines: list[EngineState],
+        *,
+        full: bool = False,
+        configured: set[str] | frozenset[str] = frozenset(),
+        gone: list[str] | None = None,
+    ) -> None:
+        """Engine states; with each engine that is new to the workers (all of them in a
+        `full` snapshot, which also says that unnamed engines are gone), its config and its
+        in-flight column."""
+        records = []
+        columns = self._in_flight.columns
+        for e in engines:
+            record = encode(e)
+            if full or e.id in configured:
+                record["config"] = e.config.model_dump(mode="json")
+                record["column"] = columns[e.id]
+            records.append(record)
         channel.send(
             "snap",
             version=self.version,
-            engines=[encode(e) for e in engines],
+            engines=records,
+            gone=gone or [],
+            full=full,
             gate=self._gate().to_json(),
         )
 

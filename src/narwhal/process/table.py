@@ -8,7 +8,9 @@ Row layout: `[0]` completions and `[1]` chat requests in progress (what a crash 
 `[2]` data connections in use, `[3]` requests waiting for one, `[4..6]` placements made per
 role (their sum over rows is the router's rotation), `[7]` sockets open to engines (idle
 keep-alive ones included), `[8]` legs waiting for a socket, `[9 + c]` in flight on engine
-column `c` (the config's order).
+column `c`. There are `ENGINE_COLUMNS` engine columns, so engines can join at runtime (DESIGN
+§10): the control process assigns each member a column and tells the workers in its snapshots;
+a column is reused only once its count is back to zero.
 
 Three steps take the table's lock (`lockf`, dropped by the kernel if its holder dies), each
 for a few memory reads and never across an await: taking a data connection, opening a socket,
@@ -20,7 +22,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from narwhal.fleet.inflight import Choose
@@ -29,24 +31,25 @@ COMPLETIONS, CHAT, POOL_IN_USE, POOL_WAITING = 0, 1, 2, 3
 TURN_COLUMN = {"prefill": 4, "decode": 5, "both": 6}
 SOCKETS_OPEN, SOCKETS_WANTED = 7, 8
 _FIXED = 9
+ENGINE_COLUMNS = 1024  # the most engines one router fronts at once
 ENDPOINT_COLUMN = {"completions": COMPLETIONS, "chat": CHAT}
 
 
 class WorkerTable:
-    def __init__(self, fd: int, rows: int, engine_ids: Sequence[str]) -> None:
+    def __init__(self, fd: int, rows: int, engine_columns: int = ENGINE_COLUMNS) -> None:
         self.fd = fd
         self.rows = rows
-        self.columns = {e: _FIXED + i for i, e in enumerate(engine_ids)}
-        self.width = _FIXED + len(engine_ids)
+        self.engine_columns = engine_columns
+        self.width = _FIXED + engine_columns
         self._map = mmap.mmap(fd, rows * self.width * 8)
         self._words = memoryview(self._map).cast("q")
 
     @classmethod
-    def create(cls, rows: int, engine_ids: Sequence[str]) -> WorkerTable:
+    def create(cls, rows: int, engine_columns: int = ENGINE_COLUMNS) -> WorkerTable:
         """A fresh, zeroed table; its fd is inheritable only where passed explicitly."""
         fd = os.memfd_create("narwhal-workers", os.MFD_CLOEXEC)
-        os.ftruncate(fd, rows * (_FIXED + len(engine_ids)) * 8)
-        return cls(fd, rows, engine_ids)
+        os.ftruncate(fd, rows * (_FIXED + engine_columns) * 8)
+        return cls(fd, rows, engine_columns)
 
     def add(self, row: int, column: int, delta: int) -> None:
         """Only `row`'s owner calls this."""
@@ -81,12 +84,45 @@ class WorkerTable:
 
 
 class SharedInFlight:
-    """`InFlight` over the table: a worker writes its own row (`row`); every reader sums."""
+    """`InFlight` over the table: a worker writes its own row (`row`); every reader sums.
+
+    The control process (`row` None) assigns each member's column in `add`; a worker is told
+    it (`bind`) before the member joins its replica. A column that a removed engine leaves
+    is kept by the worker while its own legs on it finish, and reused by the control process
+    only once the column's count is zero."""
 
     def __init__(self, table: WorkerTable, row: int | None) -> None:
         self._table = table
         self._row = row
-        self._columns = table.columns
+        self._columns: dict[str, int] = {}
+        self._retired: dict[str, int] = {}  # a worker's removed engines with legs still on them
+
+    @property
+    def columns(self) -> dict[str, int]:
+        """Engine id to table column, for the control process's snapshots."""
+        return self._columns
+
+    def add(self, engine_id: str) -> None:
+        if self._row is not None:
+            assert engine_id in self._columns, f"no column bound for {engine_id}"
+            return
+        taken = set(self._columns.values())
+        table = self._table
+        for column in range(_FIXED, _FIXED + table.engine_columns):
+            if column not in taken and table.total(column) == 0:
+                self._columns[engine_id] = column
+                return
+        raise ValueError(f"no room for another engine ({table.engine_columns} at most)")
+
+    def bind(self, engine_id: str, column: int) -> None:
+        """A worker learns the column the control process gave `engine_id`."""
+        self._retired.pop(engine_id, None)
+        self._columns[engine_id] = column
+
+    def remove(self, engine_id: str) -> None:
+        column = self._columns.pop(engine_id, None)
+        if column is not None and self._row is not None and self._table.get(self._row, column):
+            self._retired[engine_id] = column
 
     def claim(self, role: str, choose: Choose) -> str | None:
         """The turn is the sum of every worker's placements for `role`, so a request that
@@ -107,10 +143,19 @@ class SharedInFlight:
 
     def leave(self, engine_id: str) -> None:
         assert self._row is not None, "the control process only reads in-flight counts"
-        self._table.add(self._row, self._columns[engine_id], -1)
+        column = self._columns.get(engine_id)
+        if column is not None:
+            self._table.add(self._row, column, -1)
+            return
+        column = self._retired.get(engine_id)  # removed while this leg ran
+        if column is not None:
+            self._table.add(self._row, column, -1)
+            if not self._table.get(self._row, column):
+                del self._retired[engine_id]
 
     def of(self, engine_id: str) -> int:
-        return self._table.total(self._columns[engine_id])
+        column = self._columns.get(engine_id)
+        return 0 if column is None else self._table.total(column)
 
 
 class _SharedCount:

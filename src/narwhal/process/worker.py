@@ -30,7 +30,7 @@ import orjson
 import uvloop
 
 from narwhal.clock import SystemClock
-from narwhal.config import Config, parse_config
+from narwhal.config import Config, EngineConfig, parse_config
 from narwhal.dataplane.errors import error_answer, error_body
 from narwhal.dataplane.exchange import Answer
 from narwhal.dataplane.models import models_list
@@ -84,10 +84,11 @@ class Worker:
         serving = config.serving.model_copy(update={"queue_limit": hello["queue_limit"]})
         self.config: Config = config.model_copy(update={"serving": serving})
         self.clock = SystemClock()
-        engines = self.config.engines
-        self.table = WorkerTable(hello["table_fd"], hello["rows"], [e.id for e in engines])
-        self._configs = {e.id: e for e in engines}
-        self.fleet = FleetReplica(engines, self.clock, in_flight=SharedInFlight(self.table, index))
+        self.table = WorkerTable(hello["table_fd"], hello["rows"])
+        # The members come with the first (full) snapshot, each with its config and column.
+        self._configs: dict[str, EngineConfig] = {}
+        self._in_flight = SharedInFlight(self.table, index)
+        self.fleet = FleetReplica((), self.clock, in_flight=self._in_flight)
         self.gate = WorkerGate(self.clock)
         self.channel = channel
         self.reporter = Reporter(channel, self.fleet, hello["settle_s"])
@@ -126,7 +127,17 @@ class Worker:
         kind = frame["t"]
         if kind == "snap":
             configs = self._configs
-            self.fleet.load(decode(e, configs[e["id"]]) for e in frame["engines"])
+            for e in frame["engines"]:
+                if "config" in e:  # new to this worker, or relocated
+                    configs[e["id"]] = EngineConfig.model_validate(e["config"])
+                    self._in_flight.bind(e["id"], e["column"])
+            self.fleet.load(
+                (decode(e, configs[e["id"]]) for e in frame["engines"]),
+                gone=frame["gone"],
+                full=frame["full"],
+            )
+            for engine_id in frame["gone"]:
+                configs.pop(engine_id, None)
             self.gate.data = GateData.from_json(frame["gate"])
             self.channel.send("seen", version=frame["version"])
         elif kind == "gate":
