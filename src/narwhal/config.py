@@ -480,6 +480,16 @@ def parse_config(data: Any) -> Config:
         raise ConfigError(_format_errors(exc)) from None
 
 
+def parse_engine(data: Any) -> EngineConfig:
+    """Validate one engine (`POST /admin/engines`, discovery) as the config's `engines[]`."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(["(top level): an engine must be a JSON object"])
+    try:
+        return EngineConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config file."""
     try:

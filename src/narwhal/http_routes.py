@@ -14,6 +14,7 @@ from aiohttp import web
 from narwhal.dataplane.errors import openai_error
 from narwhal.dataplane.exchange import AiohttpExchange
 from narwhal.dataplane.models import models_list
+from narwhal.http_membership import add_membership_routes
 from narwhal.state.handoff import newest
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def add_routes(app: web.Application, router: Router) -> None:
             {"engine": engine_id, "readmitted": ok, "steps": steps}, status=200 if ok else 409
         )
 
+    add_membership_routes(app, router)
     app.router.add_post("/admin/engines/{engine_id}/drain", drain)
     app.router.add_post("/admin/engines/{engine_id}/maintenance", maintenance)
     app.router.add_post("/admin/engines/{engine_id}/readmit", readmit)

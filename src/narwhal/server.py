@@ -27,6 +27,7 @@ from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.health import HealthStages
 from narwhal.control.lifecycle import Lifecycle
+from narwhal.control.membership import Membership
 from narwhal.control.monitor import Monitor, Stage
 from narwhal.control.operator import OperatorActions
 from narwhal.control.ownership import Ownership
@@ -182,6 +183,14 @@ class Router:
             self.readmission.verify_kv_role,
             spawn=self._spawn,
         )
+        self.membership = Membership(
+            self.fleet,
+            self.metrics,
+            self.clock,
+            config.engines[0].api,
+            self.publish,
+            forgotten=[self._forget_engine],
+        )
         self.handoff = HandoffWriter(
             Path(config.handoff.path),
             config.effective_router_id,
@@ -217,6 +226,7 @@ class Router:
                 self.metrics,
                 self.clock,
                 leadership=[self.compactor.run] if self.compactor else [],
+                membership=self.membership,
             )
             self.handoff.guard = self.ownership.write_handoff
             self.admission.add_check(
@@ -225,7 +235,7 @@ class Router:
         stages: dict[str, Stage] = {
             "controller": self.small.controller,
             "health": self._health_stage,
-            "drains": self.small.drains,
+            "drains": self._drains_stage,
             "rollover": self.small.rollover,
             "readmission": self._readmission_stage,
             "liveness": self.health.liveness,
@@ -257,6 +267,17 @@ class Router:
             raise
         self.metrics.handoff_writes.labels("ok").inc()
         self.metrics.handoff_write_seconds.observe(time.perf_counter() - t0)
+
+    async def _drains_stage(self, now: float) -> None:
+        """Drains settle; engines removed from the fleet are forgotten once theirs did."""
+        await self.small.drains(now)
+        self.membership.settle()
+
+    def _forget_engine(self, engine_id: str) -> None:
+        """An engine left the fleet: its background work stops, its records go."""
+        self.engine_tasks.cancel(engine_id)
+        self.small.drains_settled.pop(engine_id, None)
+        self.readmission.last_results.pop(engine_id, None)
 
     async def _health_stage(self, now: float) -> None:
         """Health sweep, then (re)schedule inference probes for held engines."""

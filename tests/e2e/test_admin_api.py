@@ -145,7 +145,7 @@ async def test_unknown_engine_is_404_after_auth(
         ("GET", "/admin/engines/p0/maintenance"),
         ("GET", "/admin/engines/p0/readmit"),
         ("DELETE", "/admin/engines/p0/drain"),
-        ("POST", "/admin/engines"),
+        ("PUT", "/admin/engines"),
         ("POST", "/admin/monitor"),
     ],
 )

@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from narwhal.cli import membership
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", parents=common, help="engines, monitor and lease at a glance")
     engines = sub.add_parser("engines", parents=common, help="the engines as the router sees them")
     engines.add_argument("--json", action="store_true")
+    membership.add_parsers(engines, common)
     for name in ("drain", "maintenance", "readmit"):
         action = sub.add_parser(name, parents=common, help=f"{name} an engine")
         action.add_argument("engine_id")
@@ -264,6 +267,10 @@ def _run(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         print(json.dumps(body, indent=2))
         return 0
+    if args.command == "engines" and args.engines_command is not None:
+        return membership.run(
+            args, lambda *request: _call(args.url, args.token, *request), _message
+        )
     if args.command in ("status", "engines"):
         status, body = _call(args.url, args.token, "GET", "/admin/engines")
         if status != 200:

@@ -23,7 +23,7 @@ Spawn = Callable[[Work], "asyncio.Task[None] | None"]
 class EngineTasks:
     def __init__(self, spawn: Spawn) -> None:
         self._spawn = spawn
-        self._running: set[tuple[str, str]] = set()
+        self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     def busy(self, kind: str, engine_id: str) -> bool:
         return (kind, engine_id) in self._running
@@ -39,14 +39,21 @@ class EngineTasks:
         if task is None:
             work.close()
             return False
-        self._running.add(key)
+        self._running[key] = task
 
         def ended(task: asyncio.Task[None]) -> None:
-            self._running.discard(key)
+            if self._running.get(key) is task:
+                del self._running[key]
             work.close()  # a no-op once it ran; a task cancelled before its first step never did
 
         task.add_done_callback(ended)
         return True
+
+    def cancel(self, engine_id: str) -> None:
+        """Stop every task about an engine that left the fleet."""
+        for (_, engine), task in list(self._running.items()):
+            if engine == engine_id:
+                task.cancel()
 
     @staticmethod
     async def _guarded(key: tuple[str, str], work: Work) -> None:

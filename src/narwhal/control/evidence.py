@@ -45,6 +45,7 @@ class EvidenceRecorder:
         """Outcomes are applied as they are reported: nothing to wait for."""
 
     def success(self, engine_id: str, kind: SuccessKind, leg: str) -> None:
-        if not self._fleet.get(engine_id).evidence:
+        engine = self._fleet.find(engine_id)
+        if engine is None or not engine.evidence:
             return  # the hot path (every successful leg): nothing to clear, no event to send
         self._fleet.apply(LegSucceeded(engine_id, kind, leg), self._clock.monotonic())

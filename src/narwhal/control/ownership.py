@@ -18,8 +18,15 @@ import aiohttp
 
 from narwhal.clock import Clock
 from narwhal.config import Config
+from narwhal.control.membership import Membership, MembershipConflict
 from narwhal.fleet.store import Fleet
-from narwhal.state.handoff import HandoffWriter, apply_document, check_document, load_schema
+from narwhal.state.handoff import (
+    HandoffWriter,
+    apply_document,
+    check_document,
+    load_schema,
+    members_of,
+)
 from narwhal.state.lease import LeaseKeeper, Role
 from narwhal.telemetry.metrics import Metrics
 
@@ -56,6 +63,7 @@ class Ownership:
         clock: Clock,
         probe_ready: ReadyProbe | None = None,
         leadership: Sequence[Leadership] = (),
+        membership: Membership | None = None,
     ) -> None:
         self._cfg = config
         self.keeper = keeper
@@ -70,6 +78,7 @@ class Ownership:
         self._session: aiohttp.ClientSession | None = None
         self._probe_ready = probe_ready or self._http_ready
         self._leadership = tuple(leadership)
+        self._membership = membership  # a standby follows the active's membership too
         self._group: asyncio.TaskGroup | None = None
         self.leading: asyncio.Task[None] | None = None  # the leadership scope, while active
         self._scope: asyncio.TaskGroup | None = None  # its task group, once it runs
@@ -173,7 +182,13 @@ class Ownership:
             return
         if raw is None:
             return
-        verdict = check_document(raw, self._cfg, self._schema, now_wall_s=self._clock.wall())
+        verdict = check_document(
+            raw,
+            self._cfg,
+            self._schema,
+            now_wall_s=self._clock.wall(),
+            membership=self._membership is not None,
+        )
         if not verdict.ok or verdict.document is None:
             self.follow_error = verdict.reason
             return
@@ -183,6 +198,12 @@ class Ownership:
             seen_epoch = self.followed["writer"]["lease_epoch"] or 0
             if (epoch, doc["sequence"]) <= (seen_epoch, self.followed["sequence"]):
                 return  # older epoch, or nothing new
+        if self._membership is not None:
+            try:
+                self._membership.apply(members_of(doc, self._cfg), "handoff")
+            except (MembershipConflict, ValueError) as exc:
+                self.follow_error = f"membership: {exc}"
+                return
         apply_document(doc, self._fleet, self._clock)
         self.followed = doc
         self.follow_error = None

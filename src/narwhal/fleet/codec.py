@@ -32,6 +32,7 @@ def encode(state: EngineState) -> dict[str, Any]:
         "max_model_len": state.max_model_len,
         "verified": state.verified,
         "unverified_reason": state.unverified_reason,
+        "leaving": state.leaving,
     }
 
 
@@ -50,4 +51,5 @@ def decode(data: dict[str, Any], config: EngineConfig) -> EngineState:
         max_model_len=data["max_model_len"],
         verified=data["verified"],
         unverified_reason=data["unverified_reason"],
+        leaving=data["leaving"],
     )

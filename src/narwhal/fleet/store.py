@@ -55,6 +55,10 @@ class Fleet:
     def get(self, engine_id: str) -> EngineState:
         return self._engines[engine_id]
 
+    def find(self, engine_id: str) -> EngineState | None:
+        """The engine, or None once it left the fleet (a leg may outlive its engine)."""
+        return self._engines.get(engine_id)
+
     def has(self, engine_id: str) -> bool:
         return engine_id in self._engines
 

@@ -37,7 +37,8 @@ class Reporter:
         self._channel.send("ev", seq=self._seq, item=item)
 
     def success(self, engine_id: str, kind: SuccessKind, leg: str) -> None:
-        if not self._fleet.get(engine_id).evidence:
+        engine = self._fleet.find(engine_id)
+        if engine is None or not engine.evidence:
             return
         self._seq += 1
         self._last_sent = self._seq

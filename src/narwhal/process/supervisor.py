@@ -419,7 +419,7 @@ class Supervisor:
         if not self._scheduled:
             return  # published early by `publish_now`
         self._scheduled = False
-        changed = [self._fleet.get(e) for e in sorted(self._dirty)]
+        changed = [self._fleet.get(e) for e in sorted(self._dirty) if self._fleet.has(e)]
         gone = sorted(self._gone)
         configured = set(self._configured)
         self._dirty.clear()

@@ -9,6 +9,10 @@ part of the document.
 Each engine records whether it was `verified` (DESIGN §10); the field is optional in schema 1,
 and a document without it (written by a router that predates verification, which served
 from every engine it lists) means verified.
+
+The engine set is the membership (DESIGN §10): each entry also says how the engine is
+configured (`member_entry`), so that a standby can follow engines added or removed at
+runtime. An engine that is leaving is no longer a member and is left out.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jsonschema
 import orjson
 
 from narwhal.clock import Clock
-from narwhal.config import KV_ROLE_PERMITS, Config, Role
+from narwhal.config import KV_ROLE_PERMITS, Config, EngineConfig, KvRole, Role
 from narwhal.fleet.events import Restored
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Ejection, EngineState
@@ -89,6 +93,7 @@ def build_document(
     lease: dict[str, Any] | None,
     risk: dict[str, Any],
 ) -> dict[str, Any]:
+    members = [e for e in fleet if e.leaving is None]
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "sequence": sequence,
@@ -98,14 +103,54 @@ def build_document(
             "pid": os.getpid(),
             "lease_epoch": lease["epoch"] if lease else None,
         },
-        "engine_set": [{"id": e.id, "url": e.config.url} for e in fleet],
-        "engines": {e.id: engine_document(e) for e in fleet},
+        "engine_set": [member_entry(e.config) for e in members],
+        "engines": {e.id: engine_document(e) for e in members},
         "consolidation_risk": risk,
-        "counters": fleet.counters.to_json(),
+        "counters": _members_only(fleet.counters.to_json(), {e.id for e in members}),
         "lease": lease,
     }
     doc["checksum"] = _checksum(doc)
     return doc
+
+
+def member_entry(config: EngineConfig) -> dict[str, Any]:
+    """An engine's `engine_set` entry: what a standby needs to add it (never its API key)."""
+    entry: dict[str, Any] = {
+        "id": config.id,
+        "url": config.url,
+        "role": config.role.value,
+        "kv_role": config.effective_kv_role.value,
+        "api": config.api,
+    }
+    if config.api_key_env is not None:
+        entry["api_key_env"] = config.api_key_env
+    if config.slot_save_path is not None:
+        entry["slot_save_path"] = config.slot_save_path
+    return entry
+
+
+def members_of(doc: dict[str, Any], config: Config) -> list[EngineConfig]:
+    """The membership a document records, as engine configs. An entry without its role (a
+    router that predates membership changes wrote it) takes the configured engine's."""
+    configured = {e.id: e for e in config.engines}
+    members = []
+    for entry in doc["engine_set"]:
+        if "role" in entry:
+            members.append(EngineConfig.model_validate(entry))
+        elif entry["id"] in configured:
+            members.append(configured[entry["id"]].model_copy(update={"url": entry["url"]}))
+    return members
+
+
+def _members_only(counters: dict[str, Any], members: set[str]) -> dict[str, Any]:
+    failures = {e: by for e, by in counters["failures"].items() if e in members}
+    return {
+        "failures": failures,
+        **{
+            kind: {e: n for e, n in counters[kind].items() if e in members}
+            for kind in ("ejections", "readmissions")
+        },
+    }
 
 
 MAX_SEQUENCE = 2**53 - 1
@@ -156,8 +201,12 @@ def check_document(
     schema: dict[str, Any],
     *,
     now_wall_s: float | None = None,
+    membership: bool = False,
 ) -> Verdict:
     """Validate a saved handoff against the schema, its checksum and the configured fleet.
+
+    `membership` (a standby following the active): the document's engine set is the fleet,
+    whatever the config says; a standby takes its membership changes (DESIGN §10).
 
     `now_wall_s` (the reader's wall clock) enables the check that no saved time lies in the
     future beyond `CLOCK_SKEW_ALLOWANCE_S`; without it that check is skipped. `config` None
@@ -185,7 +234,7 @@ def check_document(
     if duplicates:
         return refused("impossible", f"impossible values: engine_set lists {duplicates} twice")
     saved = {(e["id"], e["url"]) for e in doc["engine_set"]}
-    configured = saved if config is None else {(e.id, e.url) for e in config.engines}
+    configured = saved if config is None or membership else {(e.id, e.url) for e in config.engines}
     if saved != configured:
         added = sorted(i for i, _ in configured - saved)
         removed = sorted(i for i, _ in saved - configured)
@@ -232,6 +281,9 @@ def impossible_values(
     for the configured ids; `config` None skips only the kv_role permits."""
     configured = {e["id"] for e in doc["engine_set"]}
     kv_roles = {} if config is None else {e.id: e.effective_kv_role for e in config.engines}
+    for entry in doc["engine_set"]:  # an engine added at runtime: the kv_role it was given
+        if "kv_role" in entry and entry["id"] not in kv_roles:
+            kv_roles[entry["id"]] = KvRole(entry["kv_role"])
     if set(doc["engines"]) != configured:
         return "engines do not match engine_set"
     latest = None if now_wall_s is None else now_wall_s + CLOCK_SKEW_ALLOWANCE_S

@@ -28,9 +28,16 @@ def watch_fleet(fleet: Fleet, metrics: Metrics, clock: Clock) -> None:
         if before.ejected is None and after.ejected is not None:
             metrics.ejections.labels(after.id, after.ejected.cause).inc()
 
-    fleet.observe(observe)
-    for engine in fleet:
-        engine_id = engine.id
+    def gauges(engine_id: str, present: bool) -> None:
+        """A member's gauges from its first moment; gone with it (its counters stay)."""
+        if not present:
+            metrics.in_flight.remove(engine_id)
+            metrics.liveness_misses.remove(engine_id)
+            for cls in FailureClass:
+                metrics.evidence_streak.remove(engine_id, cls.value)
+            for name in HoldName:
+                metrics.holds_active.remove(engine_id, name.value)
+            return
         metrics.in_flight.labels(engine_id).set_function(_in_flight(fleet, engine_id))
         metrics.liveness_misses.labels(engine_id).set_function(_liveness(fleet, engine_id))
         for cls in FailureClass:
@@ -41,6 +48,11 @@ def watch_fleet(fleet: Fleet, metrics: Metrics, clock: Clock) -> None:
             metrics.holds_active.labels(engine_id, name.value).set_function(
                 _hold_active(fleet, engine_id, name, clock)
             )
+
+    fleet.observe(observe)
+    fleet.observe_membership(gauges)
+    for engine in fleet:
+        gauges(engine.id, True)
     for role in Role:
         metrics.engines_unverified.labels(role.value).set_function(_unverified(fleet, role))
 

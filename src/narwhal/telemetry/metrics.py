@@ -95,8 +95,9 @@ class DataMetrics:
         )
         self.migrations = Counter(
             "narwhal_migrations",
-            "Streams continued on a fresh pair after their decode failed mid-stream, by cause "
-            "and by how they were continued (token_ids or text)",
+            "Streams continued on a fresh pair after their decode failed mid-stream or was "
+            "moved off for planned maintenance (cause `maintenance`), by cause and by how they "
+            "were continued (token_ids or text)",
             ["cause", "kind"],
             registry=r,
         )
@@ -195,6 +196,13 @@ class Metrics:
         )
         self.ejections = Counter(
             "narwhal_ejections", "Ejections by engine and cause", ["engine", "cause"], registry=r
+        )
+        self.membership_changes = Counter(
+            "narwhal_membership_changes",
+            "Fleet membership changes by change (added, removing, removed, relocated) and "
+            "source (operator, reload, dns, file, handoff: a standby following the active)",
+            ["change", "source"],
+            registry=r,
         )
         self.holds_active = Gauge(
             "narwhal_holds_active",

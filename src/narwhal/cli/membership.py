@@ -1,0 +1,115 @@
+"""`narwhal engines add` and `narwhal engines remove`: membership changes over the admin API
+(DESIGN §10), each followed until it has taken effect: an added engine until it takes work
+(verified and eligible), a removed one until the router has forgotten it. Every state seen on
+the way is printed once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+EXIT_OK, EXIT_ERROR = 0, 1
+POLL_S = 0.25
+
+Call = Callable[..., tuple[int, Any]]
+
+
+def add_parsers(engines: argparse.ArgumentParser, common: list[argparse.ArgumentParser]) -> None:
+    sub = engines.add_subparsers(dest="engines_command")
+    add = sub.add_parser("add", parents=common, help="add an engine to the running fleet")
+    add.add_argument("engine_id")
+    add.add_argument("url")
+    add.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
+    add.add_argument("--kv-role", choices=["kv_producer", "kv_consumer", "kv_both"])
+    add.add_argument("--api", choices=["vllm", "llamacpp"])
+    add.add_argument("--api-key-env", help="the environment variable holding its API key")
+    add.add_argument("--slot-save-path", help="llamacpp: the shared --slot-save-path")
+    remove = sub.add_parser("remove", parents=common, help="remove an engine from the fleet")
+    remove.add_argument("engine_id")
+    remove.add_argument(
+        "--force",
+        action="store_true",
+        help="forget it at once; its requests in flight finish or fail on their own",
+    )
+    for parser in (add, remove):
+        parser.add_argument(
+            "--timeout-s", type=float, default=120.0, help="how long to follow the change"
+        )
+        parser.add_argument(
+            "--no-wait", action="store_true", help="return once the router accepted the change"
+        )
+
+
+def run(args: argparse.Namespace, call: Call, message: Callable[[Any], str]) -> int:
+    if args.engines_command == "add":
+        body = {"id": args.engine_id, "url": args.url, "role": args.role}
+        for key in ("kv_role", "api", "api_key_env", "slot_save_path"):
+            if getattr(args, key) is not None:
+                body[key] = getattr(args, key)
+        status, answer = call("POST", "/admin/engines", body)
+        if status != 201:
+            print(f"narwhal: {status}: {message(answer)}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"{args.engine_id}: added ({answer['state']})")
+        return EXIT_OK if args.no_wait else _follow(args, call, _until_in_service)
+    path = f"/admin/engines/{quote(args.engine_id)}" + ("?force=true" if args.force else "")
+    status, answer = call("DELETE", path)
+    if status not in (200, 202):
+        print(f"narwhal: {status}: {message(answer)}", file=sys.stderr)
+        return EXIT_ERROR
+    if answer["change"] == "removed":
+        print(f"{args.engine_id}: removed")
+        return EXIT_OK
+    print(f"{args.engine_id}: removing, {answer['in_flight']} in flight")
+    return EXIT_OK if args.no_wait else _follow(args, call, _until_gone)
+
+
+Progress = Callable[[dict[str, Any] | None], tuple[str, bool]]
+"""The engine's record (None: not in the fleet) -> (what to print, whether it is done)."""
+
+
+def _until_in_service(engine: dict[str, Any] | None) -> tuple[str, bool]:
+    if engine is None:
+        return "no longer in the fleet", True
+    if engine["eligible"]:
+        return "in service", True
+    if not engine["verified"]:
+        return f"unverified ({engine['unverified_reason']})", False
+    if engine["ejected"]:
+        return f"ejected ({engine['ejection']['reason']})", False
+    return f"held ({', '.join(engine['holds'])})", False
+
+
+def _until_gone(engine: dict[str, Any] | None) -> tuple[str, bool]:
+    if engine is None:
+        return "removed", True
+    return f"removing, {engine['in_flight']} in flight", False
+
+
+def _follow(args: argparse.Namespace, call: Call, progress: Progress) -> int:
+    """Poll `/admin/engines`, printing each new state, until done or `--timeout-s`."""
+    deadline = time.monotonic() + args.timeout_s
+    last = None
+    while True:
+        status, body = call("GET", "/admin/engines")
+        if status != 200:
+            print(f"narwhal: {status} while following {args.engine_id}", file=sys.stderr)
+            return EXIT_ERROR
+        engine = next((e for e in body["engines"] if e["id"] == args.engine_id), None)
+        line, done = progress(engine)
+        if line != last:
+            print(f"{args.engine_id}: {line}", flush=True)
+            last = line
+        if done:
+            ok = engine is not None or progress is _until_gone
+            return EXIT_OK if ok else EXIT_ERROR
+        if time.monotonic() >= deadline:
+            print(
+                f"narwhal: {args.engine_id}: not done after {args.timeout_s:g} s", file=sys.stderr
+            )
+            return EXIT_ERROR
+        time.sleep(POLL_S)
