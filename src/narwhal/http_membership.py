@@ -1,5 +1,6 @@
-"""The admin API's membership changes (DESIGN §10): `POST /admin/engines` adds an engine,
-`DELETE /admin/engines/{id}` removes one (`?force=true`: forgotten at once)."""
+"""The admin API's fleet changes (DESIGN §10): `POST /admin/engines` adds an engine,
+`DELETE /admin/engines/{id}` removes one (`?force=true`: forgotten at once), and `POST
+/admin/reload` re-reads the config file."""
 
 from __future__ import annotations
 
@@ -63,5 +64,18 @@ def add_membership_routes(app: web.Application, router: Router) -> None:
             {"engine": engine_id, "change": "removing", "in_flight": in_flight}, status=202
         )
 
+    async def reload(request: web.Request) -> web.StreamResponse:
+        try:
+            answer = await router.reload()
+        except ConfigError as exc:
+            key = exc.problems[0].split(":", 1)[0]
+            return openai_error(
+                400, f"reload refused, nothing changed: {exc}", "invalid_request_error", param=key
+            )
+        except MembershipConflict as exc:
+            return openai_error(409, f"reload refused, nothing changed: {exc}", "conflict_error")
+        return web.json_response(answer)
+
+    app.router.add_post("/admin/reload", reload)
     app.router.add_post("/admin/engines", add_engine)
     app.router.add_delete("/admin/engines/{engine_id}", remove_engine)

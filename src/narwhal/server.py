@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -22,17 +23,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from narwhal.clock import Clock, SystemClock
-from narwhal.config import Config
+from narwhal.config import Config, ConfigError, load_config
 from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.health import HealthStages
 from narwhal.control.lifecycle import Lifecycle
-from narwhal.control.membership import Membership
+from narwhal.control.membership import Membership, MembershipConflict
 from narwhal.control.monitor import Monitor, Stage
 from narwhal.control.operator import OperatorActions
 from narwhal.control.ownership import Ownership
 from narwhal.control.probes import InferenceProber
 from narwhal.control.readmission import Readmission
+from narwhal.control.reload import reload_changes
 from narwhal.control.stages import SmallStages
 from narwhal.control.suspects import SuspectProbes
 from narwhal.dataplane.proxy import DataPlane
@@ -86,10 +88,12 @@ class Router:
         new_request_id: Callable[[], str] | None = None,
         resume: bool = False,
         standby: bool = False,
+        config_path: Path | None = None,
         filesystem: Filesystem | None = None,
         lease_store: LeaseStore | None = None,
     ) -> None:
         self.config = config
+        self.config_path = config_path  # re-read by a reload (SIGHUP, POST /admin/reload)
         self.clock = clock or SystemClock()
         self._wall_offset_s = self.clock.wall() - self.clock.monotonic()
         self.metrics = Metrics()
@@ -312,6 +316,49 @@ class Router:
         if self.supervisor is not None:
             self.supervisor.publish_now()
 
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the config file and apply what a running router can (DESIGN §10): the
+        engine set as membership changes (on the active router; a standby follows the
+        active's), and timeouts and policies for new requests. Keys that need a restart are
+        reported and left as they are. Raises ConfigError (the file does not validate) or
+        MembershipConflict, and then nothing changed."""
+        if self.config_path is None:
+            raise ConfigError(["(file): this router was not started from a config file"])
+        try:
+            new = await asyncio.to_thread(load_config, self.config_path)
+            changes = reload_changes(self.config, new)
+            engines = None
+            if "engines" in changes.applied and self.is_active():
+                engines = self.membership.apply(new.engines, "reload").to_json()
+        except (ConfigError, MembershipConflict):
+            self.metrics.reloads.labels("refused").inc()
+            raise
+        self._reconfigure(changes.config)
+        self.metrics.reloads.labels("ok").inc()
+        log.info(
+            "reload: applied %s; restart required for %s; engines %s",
+            list(changes.applied) or "nothing",
+            list(changes.restart_required) or "nothing",
+            engines if engines is not None else "unchanged or followed from the active",
+        )
+        return {"reloaded": True, **changes.to_json(), "engines": engines}
+
+    async def _reload_on_signal(self) -> None:
+        """SIGHUP: a reload whose refusal is logged (nobody waits for an answer)."""
+        try:
+            await self.reload()
+        except (ConfigError, MembershipConflict) as exc:
+            log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
+
+    def _reconfigure(self, config: Config) -> None:
+        self.config = config
+        self.dataplane.reconfigure(config)
+        self.fleet.policy = Policy.of(config.recovery)
+        for part in (self.health, self.suspects, self.prober, self.readmission, self.small):
+            part.reconfigure(config)
+        if self.supervisor is not None:
+            self.supervisor.reconfigure(config)
+
     def move_streams(self, engine_id: str) -> None:
         """Migrate the streams decoding on `engine_id` now, in every data plane (planned
         maintenance with `migrate`)."""
@@ -444,6 +491,10 @@ class Router:
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
                 tg.create_task(watch_loop_lag(self.metrics.loop_lag))
+                if self.config_path is not None:
+                    asyncio.get_running_loop().add_signal_handler(
+                        signal.SIGHUP, lambda: tg.create_task(self._reload_on_signal())
+                    )
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:
@@ -468,6 +519,8 @@ class Router:
                 )
         finally:
             self._tasks = None
+            if self.config_path is not None:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             if self.supervisor is not None:
                 await self.supervisor.stop(self.config.serving.shutdown_grace_s)
                 # The workers are gone: back to this process's own counts, table released.

@@ -64,7 +64,7 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
     try:
         await until_ready(url + "/ready", proc, log_path, timeout_s=START_TIMEOUT_S, what="demo")
         engines = _children(proc.pid, "narwhal.sim.cli")
-        assert len(engines) == 4, "2 prefill + 2 decode narwhal-sim processes"
+        assert len(engines) == 5, "2 prefill + 2 decode narwhal-sim processes, and a spare"
         workers = _children(proc.pid, "narwhal.process.worker")
         assert len(workers) == len(os.sched_getaffinity(0)), "workers: auto"
         engines += workers
@@ -89,6 +89,22 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         assert answer.usage.prompt_tokens_details.cached_tokens == answer.usage.prompt_tokens
         assert chat.choices[0].message.content
+
+        # The banner's membership commands, as printed, against the live demo.
+        commands = [
+            line.split()[1:]
+            for line in log_path.read_text().splitlines()
+            if line.strip().startswith("narwhal engines ")
+        ]
+        assert [c[:2] for c in commands] == [["engines", "add"], ["engines", "remove"]]
+        for command, last in zip(commands, ("d2: in service", "d2: removed"), strict=True):
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "narwhal.cli.operator", *command,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(cli.communicate(), 30)
+            assert cli.returncode == 0, err
+            assert out.decode().splitlines()[-1] == last
 
         proc.send_signal(signal.SIGINT)
         status = await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)

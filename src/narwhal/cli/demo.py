@@ -1,4 +1,5 @@
-"""`narwhal-serve --demo`: a local simulated fleet (2 prefill + 2 decode) and its config."""
+"""`narwhal-serve --demo`: a local simulated fleet (2 prefill + 2 decode) and its config, and
+a spare decode engine that the banner shows how to add while the router runs."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def demo_config(prefill_urls: list[str], decode_urls: list[str], listen: str) ->
     )
 
 
-def banner(url: str) -> str:
+def banner(url: str, spare_url: str) -> str:
     return f"""
 Narwhal demo: router on {url} in front of 2 prefill + 2 decode narwhal-sim engines.
 
@@ -77,6 +78,11 @@ print(c.chat.completions.create(model='demo-model', max_tokens=8, \\
 messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
 
   curl -s {url}/ready ; curl -s {url}/admin/engines ; curl -s {url}/metrics
+
+A spare decode engine is running; add it to the live fleet, then remove it:
+
+  narwhal engines add d2 {spare_url} --role decode --url {url}
+  narwhal engines remove d2 --url {url}
 
 Ctrl-C stops the router and the engines.
 """

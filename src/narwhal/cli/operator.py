@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the router's YAML configuration; without it the engine set is not checked",
     )
     sub.add_parser("lease", parents=common, help="the lease as the router sees it")
+    sub.add_parser("reload", parents=common, help="re-read the router's config file and apply it")
     args = p.parse_args(argv)
     if args.command == "handoff" and args.handoff_command == "show":
         args.handoff_command = "inspect"
@@ -247,6 +248,18 @@ def _describe_handoff(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _describe_reload(body: dict[str, Any]) -> str:
+    lines = ["reloaded"]
+    lines.append("applied: " + (", ".join(body["applied"]) or "nothing changed"))
+    if body["restart_required"]:
+        lines.append("needs a restart (left as it was): " + ", ".join(body["restart_required"]))
+    engines = body.get("engines")
+    if engines:
+        changes = [f"{what} {', '.join(ids)}" for what, ids in engines.items() if ids]
+        lines.append("engines: " + ("; ".join(changes) or "unchanged"))
+    return "\n".join(lines)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "handoff":  # inspect without a file: the router's latest document
         status, body = _call(args.url, args.token, "GET", "/admin/handoff")
@@ -266,6 +279,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
             return EXIT_ERROR
         print(json.dumps(body, indent=2))
+        return 0
+    if args.command == "reload":
+        status, body = _call(args.url, args.token, "POST", "/admin/reload")
+        if status != 200:
+            print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
+            return EXIT_ERROR
+        print(_describe_reload(body))
         return 0
     if args.command == "engines" and args.engines_command is not None:
         return membership.run(

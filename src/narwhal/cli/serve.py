@@ -123,11 +123,11 @@ async def _run_router(
         raise StartupError(str(exc)) from None
 
 
-async def _serve(config: Config, resume: bool, standby: bool) -> None:
+async def _serve(config: Config, path: Path, resume: bool, standby: bool) -> None:
     from narwhal.server import Router
 
     await asyncio.to_thread(_make_state_dirs, config)
-    router = Router(config, resume=resume, standby=standby)
+    router = Router(config, resume=resume, standby=standby, config_path=path)
     await _run_router(router, config)
 
 
@@ -139,13 +139,14 @@ async def _demo(listen: str) -> None:
         try:
             prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
             decode = [await start_sim(stack, "decode", []) for _ in range(2)]
+            spare = await start_sim(stack, "decode", [])
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise StartupError(f"demo fleet: {exc or type(exc).__name__}") from None
         config = demo_config(prefill, decode, listen)
         await asyncio.to_thread(_make_state_dirs, config)
         router = Router(config)
         url = f"http://{config.listen_host}:{config.listen_port}"
-        await _run_router(router, config, on_ready=lambda _: print(banner(url), flush=True))
+        await _run_router(router, config, on_ready=lambda _: print(banner(url, spare), flush=True))
 
 
 async def _main_async(coro: Coroutine[Any, Any, None]) -> None:
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             "standby.active_url is not set: this standby takes over only when the lease "
             "expires, never after standby.takeover_threshold failing /ready checks"
         )
-    return _run(_serve(config, resume=args.resume, standby=args.standby))
+    return _run(_serve(config, Path(args.config), resume=args.resume, standby=args.standby))
 
 
 if __name__ == "__main__":

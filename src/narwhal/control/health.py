@@ -160,6 +160,10 @@ class HealthStages:
             if result.answer is not Answer.BUSY:  # BUSY: not asked, says nothing
                 self._verify(engine.id, result, now)
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): read from the next use on."""
+        self._cfg = config
+
     def _verify(self, engine_id: str, result: HealthResult, now: float) -> None:
         """Apply one answer to an unverified engine; a wrong model is also a warning."""
         engine = self._fleet.get(engine_id)

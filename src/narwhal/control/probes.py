@@ -93,6 +93,10 @@ class InferenceProber:
         self._clock = clock
         self.last: dict[str, ProbeResult] = {}
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): read from the next use on."""
+        self._cfg = config
+
     def schedule(self, tasks: EngineTasks) -> None:
         """Start a probe for every held engine that has none running (called each pass)."""
         for engine in self._fleet:

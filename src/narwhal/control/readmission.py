@@ -141,6 +141,10 @@ class Readmission:
         self._fleet.apply(GenerationSeen(engine.id, generation), self._clock.monotonic())
         return generation
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): read from the next use on."""
+        self._cfg = config
+
     def schedule(self, now: float, tasks: EngineTasks) -> None:
         """The `readmission` stage: start due attempts in the background, never wait for one.
 

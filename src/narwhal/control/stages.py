@@ -156,6 +156,10 @@ class SmallStages:
         self.verification: asyncio.Task[None] | None = None
         self._verified: tuple[str, Role, bool, str] | None = None
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): read from the next use on."""
+        self._cfg = config
+
     @property
     def rebalance_settings(self) -> RebalanceSettings:
         c = self._cfg.controller

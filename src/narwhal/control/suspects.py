@@ -37,7 +37,7 @@ class SuspectProbes:
         clock: Clock,
         tasks: EngineTasks,
     ) -> None:
-        self._timeout_s = config.engine.health_timeout_s
+        self._cfg = config
         self._fleet = fleet
         self._client = client
         self._adapters = adapters
@@ -45,6 +45,10 @@ class SuspectProbes:
         self._metrics = metrics
         self._clock = clock
         self._tasks = tasks
+
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): read from the next use on."""
+        self._cfg = config
 
     def on_effect(self, effect: SuspectProbe) -> None:
         if not self._tasks.busy(KIND, effect.engine_id):
@@ -56,7 +60,9 @@ class SuspectProbes:
         engine = self._fleet.get(engine_id)
         if engine.ejected is not None:
             return
-        result = await check_health(self._client, self._adapters, engine, self._timeout_s)
+        result = await check_health(
+            self._client, self._adapters, engine, self._cfg.engine.health_timeout_s
+        )
         now = self._clock.monotonic()
         self._metrics.probes.labels(engine_id, "suspect_health", result.answer.value).inc()
         if result.answer is Answer.OK:

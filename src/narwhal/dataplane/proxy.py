@@ -163,6 +163,13 @@ class DataPlane:
         self._migration_limit = config.serving.migrations
         self._ids_by = adapters(config.engines[0]).token_ids_by  # a fleet speaks one API
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): timeouts and policies for new requests.
+        What sizes the pool and caches stays as built (a reload reports it)."""
+        self._cfg = config
+        self._serving = config.serving
+        self._migration_limit = config.serving.migrations
+
     def _key(self, config: EngineConfig) -> str | None:
         """The engine's API key (read once per config: `api_key_env` reads the environment)."""
         cached = self._api_keys.get(config.id)

@@ -406,6 +406,13 @@ class Supervisor:
         if self._scheduled:
             self._broadcast()
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config to every worker (and to the ones started later)."""
+        self._config = config
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.send("config", config=config.model_dump(mode="json"))
+
     def move_streams(self, engine_id: str) -> None:
         """Every worker migrates its streams decoding on `engine_id`. Sent after the engine's
         hold (`publish_now`), in the same ordered channel, so a moved stream's next pair

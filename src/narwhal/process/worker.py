@@ -79,10 +79,9 @@ def die_with_parent(parent_pid: int) -> None:
 class Worker:
     def __init__(self, index: int, hello: Frame, channel: Channel) -> None:
         self.index = index
-        config = parse_config(hello["config"])
-        # This worker's share of the wait queue; connections are shared (`SharedBudget`).
-        serving = config.serving.model_copy(update={"queue_limit": hello["queue_limit"]})
-        self.config: Config = config.model_copy(update={"serving": serving})
+        self._queue_share: int = hello["queue_limit"]
+        self.config: Config = self._own(hello["config"])
+        config = self.config
         self.clock = SystemClock()
         self.table = WorkerTable(hello["table_fd"], hello["rows"])
         # The members come with the first (full) snapshot, each with its config and column.
@@ -118,6 +117,13 @@ class Worker:
         self.drain = asyncio.Event()
         self.grace_s: float = hello["grace_s"]
 
+    def _own(self, data: Any) -> Config:
+        """The control process's config with this worker's share of the wait queue
+        (connections are shared: `SharedBudget`)."""
+        config = parse_config(data)
+        serving = config.serving.model_copy(update={"queue_limit": self._queue_share})
+        return config.model_copy(update={"serving": serving})
+
     def _mirror_waiting(self, pool: Pool) -> None:
         row, table = self.index, self.table
         table.add(row, POOL_WAITING, pool.waiting - table.get(row, POOL_WAITING))
@@ -144,6 +150,9 @@ class Worker:
             self.gate.data = GateData.from_json(frame["gate"])
         elif kind == "ack":
             self.reporter.acked(frame["upto"])
+        elif kind == "config":  # reloaded (control/reload.py)
+            self.config = self._own(frame["config"])
+            self.dataplane.reconfigure(self.config)
         elif kind == "move":
             self.dataplane.move_streams(frame["engine"])
         elif kind == "drain":
@@ -190,10 +199,8 @@ class Worker:
             else:
                 request.respond(503, reason.encode(), "text/plain", worker)
 
-        models_body = orjson.dumps(models_list(self.config.model))
-
         async def models(request: ServerRequest) -> None:
-            request.respond(200, models_body, "application/json")
+            request.respond(200, orjson.dumps(models_list(self.config.model)), "application/json")
 
         page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
 
@@ -342,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the control process decides
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload is the control process's
     # The data plane runs on uvloop: with the engine legs on protocols (engine/h1.py) the
     # event loop is a large share of a request's CPU (docs/performance-log.md, "uvloop in the
     # workers"). The control process stays on asyncio.

@@ -197,6 +197,13 @@ class Metrics:
         self.ejections = Counter(
             "narwhal_ejections", "Ejections by engine and cause", ["engine", "cause"], registry=r
         )
+        self.reloads = Counter(
+            "narwhal_reloads",
+            "Config reloads by result: ok (applied), refused (the file does not validate, or "
+            "its engine set conflicts; nothing changed)",
+            ["result"],
+            registry=r,
+        )
         self.membership_changes = Counter(
             "narwhal_membership_changes",
             "Fleet membership changes by change (added, removing, removed, relocated) and "
