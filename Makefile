@@ -26,12 +26,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Debian packages the tests use for real: etcd-server (the etcd lease backend) and chromium
-# (the dashboard, in a headless browser). Installed only when missing.
+# Debian packages the tests use for real: etcd-server (the etcd lease backend), dnsmasq-base (a
+# DNS server for discovery) and chromium (the dashboard, in a headless browser). Installed only
+# when missing.
 system-deps:
 	@missing=""; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v dnsmasq >/dev/null 2>&1 || missing="$$missing dnsmasq-base"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing (Debian)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

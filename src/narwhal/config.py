@@ -6,6 +6,7 @@ callers turn a `ConfigError` into exit status 2. Durations carry their unit in t
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shlex
@@ -337,6 +338,71 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
+class DnsSource(_Section):
+    """One name to resolve (DESIGN §10): SRV records (each target a host name and a port,
+    as a Kubernetes headless Service gives for a StatefulSet's pods), or, when the name has
+    none, its A/AAAA records with `port`. Every engine found gets this role and kv_role."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(default=8000, ge=1, le=65535)
+    role: Role
+    kv_role: KvRole | None = None
+    api: Literal["vllm", "llamacpp"] = "vllm"
+    scheme: Literal["http", "https"] = "http"
+    api_key_env: str | None = None
+    slot_save_path: str | None = Field(default=None, min_length=1)
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, value: Any) -> Any:
+        return _enum_value(Role, value)
+
+    @field_validator("kv_role", mode="before")
+    @classmethod
+    def _kv_role(cls, value: Any) -> Any:
+        return None if value is None else _enum_value(KvRole, value)
+
+    @model_validator(mode="after")
+    def _kv(self) -> Self:
+        kv_role = self.kv_role or DEFAULT_KV_ROLE[self.role]
+        if self.role not in KV_ROLE_PERMITS[kv_role]:
+            raise ValueError(f"kv_role: {kv_role.value} does not permit role {self.role.value}")
+        return self
+
+
+class DiscoveryConfig(_Section):
+    """Engines found at runtime (docs/discovery.md): `dns` names and a watched `file`."""
+
+    interval_s: PositiveFloat = 10.0
+    grace_s: NonNegativeFloat = 60.0
+    timeout_s: PositiveFloat = 2.0
+    nameservers: tuple[str, ...] = ()  # "host" or "host:port"; empty: the system's
+    dns: tuple[DnsSource, ...] = ()
+    file: str | None = Field(default=None, min_length=1)
+
+    @field_validator("nameservers", "dns", mode="before")
+    @classmethod
+    def _list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for i, server in enumerate(value):
+            host, _, port = server.rpartition(":") if server.count(":") == 1 else (server, "", "")
+            if port and not (port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"[{i}]: port must be 1-65535, got {server!r}")
+            try:
+                ipaddress.ip_address((host or server).strip("[]"))
+            except ValueError:
+                raise ValueError(f"[{i}]: not an IP address (and port): {server!r}") from None
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dns) or self.file is not None
+
+
 def _parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
@@ -348,7 +414,8 @@ class Config(_Section):
     router_id: str | None = None
     listen: str = "127.0.0.1:8080"
     model: str = Field(min_length=1)
-    engines: tuple[EngineConfig, ...]
+    engines: tuple[EngineConfig, ...] = ()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     serving: ServingConfig = ServingConfig()
     engine: EngineSection = EngineSection()
     controller: ControllerConfig = ControllerConfig()
@@ -372,8 +439,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _fleet(self) -> Self:
-        if not self.engines:
-            raise ValueError("engines: at least one engine is required")
+        discovered = self.discovery.enabled
+        if not self.engines and not discovered:
+            raise ValueError("engines: at least one engine is required (or a discovery source)")
         seen_ids: set[str] = set()
         seen_urls: set[str] = set()
         for i, eng in enumerate(self.engines):
@@ -383,10 +451,16 @@ class Config(_Section):
                 raise ValueError(f"engines[{i}].url: duplicate engine url {eng.url!r}")
             seen_ids.add(eng.id)
             seen_urls.add(eng.url)
-            if eng.api != self.engines[0].api:
+            if eng.api != self.fleet_api:
                 raise ValueError(
                     f"engines[{i}].api: {eng.api} differs from engines[0].api "
-                    f"{self.engines[0].api}; a fleet speaks one engine API"
+                    f"{self.fleet_api}; a fleet speaks one engine API"
+                )
+        for i, source in enumerate(self.discovery.dns):
+            if source.api != self.fleet_api:
+                raise ValueError(
+                    f"discovery.dns[{i}].api: {source.api} differs from the fleet's "
+                    f"{self.fleet_api}; a fleet speaks one engine API"
                 )
         if self.lease.backend == "file" and _same_path(self.lease.path, self.handoff.path):
             raise ValueError(
@@ -394,18 +468,30 @@ class Config(_Section):
             )
         workers = self.serving.workers
         if workers != "auto" and workers > 1:
-            if self.engines[0].api == "llamacpp":
+            if self.fleet_api == "llamacpp":
                 raise ValueError(
                     "serving.workers: must be 1 or auto with llamacpp engines (their slots "
                     "are assigned by one process)"
                 )
             if workers > self.serving.max_connections:
                 raise ValueError("serving.workers: exceeds serving.max_connections")
-        roles = {e.role for e in self.engines}
-        if Role.BOTH not in roles and roles != {Role.PREFILL, Role.DECODE}:
+        roles = {e.role for e in self.engines} | {d.role for d in self.discovery.dns}
+        # A discovery file may bring any role: /ready judges the fleet once it is read.
+        if (
+            self.discovery.file is None
+            and Role.BOTH not in roles
+            and roles != {Role.PREFILL, Role.DECODE}
+        ):
             missing = ({Role.PREFILL, Role.DECODE} - roles).pop()
             raise ValueError(f"engines: no engine has role {missing.value}")
         return self
+
+    @property
+    def fleet_api(self) -> str:
+        """The one engine API of the fleet: the engines', else the discovered ones'."""
+        if self.engines:
+            return self.engines[0].api
+        return self.discovery.dns[0].api if self.discovery.dns else "vllm"
 
     @property
     def listen_host(self) -> str:
@@ -425,7 +511,7 @@ class Config(_Section):
         workers = self.serving.workers
         if workers != "auto":
             return workers
-        if self.engines[0].api == "llamacpp":
+        if self.fleet_api == "llamacpp":
             return 1
         cpus = usable_cpus if usable_cpus is not None else len(os.sched_getaffinity(0))
         return max(1, min(cpus, self.serving.max_connections))

@@ -24,6 +24,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from narwhal.clock import Clock, SystemClock
 from narwhal.config import Config, ConfigError, load_config
+from narwhal.control.discovery import Discovery
 from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.health import HealthStages
@@ -191,9 +192,14 @@ class Router:
             self.fleet,
             self.metrics,
             self.clock,
-            config.engines[0].api,
+            config.fleet_api,
             self.publish,
             forgotten=[self._forget_engine],
+        )
+        self.discovery = (
+            Discovery(config.discovery, self.membership, self.metrics, self.clock, self.is_active)
+            if config.discovery.enabled
+            else None
         )
         self.handoff = HandoffWriter(
             Path(config.handoff.path),
@@ -462,9 +468,15 @@ class Router:
         if removed:
             log.info("removed %d stale handoff temporary files", len(removed))
         await self.client.start()
+        configured = self.config
+        if self.discovery is not None:
+            # The configured fleet is the config's engines and the first round's answer.
+            await self.discovery.round()
+            members = tuple(e.config for e in self.fleet)
+            configured = self.config.model_copy(update={"engines": members})
         if self.resume:
             self.resume_verdict = await resume(
-                self.config, self.handoff, self.fleet, self.clock, self.metrics
+                configured, self.handoff, self.fleet, self.clock, self.metrics
             )
         if self.resume_verdict is None or not self.resume_verdict.ok:
             await continue_sequence(self.handoff)  # an applied resume already continued it
@@ -499,6 +511,8 @@ class Router:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:
                     tg.create_task(self.etcd_status.run())
+                if self.discovery is not None:
+                    tg.create_task(self.discovery.run())
                 if self.is_active():
                     # Right after binding (a port in use fails before any engine is asked),
                     # before `on_ready` and the first pass, within engine.health_timeout_s:

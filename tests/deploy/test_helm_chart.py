@@ -14,12 +14,8 @@
 Rendering: `tests/deploy/helm_render.py` (Helm's Go SDK through `helm-python-sdk`, in a child
 process), plus `helm lint --strict`. The helm binary's download site is not reachable here.
 
-The discovery variant (`discovery.dns` set) renders a `discovery:` section that Narwhal's
-config loader does not know yet. Its ConfigMap is checked with that section taken out: the
-loader must then report only the missing `engines` (so every other key is valid), and the
-same file with one engine per `discovery.dns` entry in place of the section must load (so
-each entry's role, kv_role, host and port pass the engine rules). The discovery keys
-themselves are checked once the loader knows them.
+The discovery variant (`discovery.dns` set) renders a `discovery:` section and no `engines`;
+the loader must accept it as rendered, with every `dns` entry as the values gave it.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ import pytest
 import yaml
 
 from narwhal.cli.serve import check_startable
-from narwhal.config import ConfigError, load_config
+from narwhal.config import load_config
 from tests.deploy.helm_render import CHART, REPO, render
 
 if platform.machine() != "x86_64":  # helm-python-sdk publishes x86_64 wheels only
@@ -260,31 +256,16 @@ def test_each_router_config_is_accepted_by_narwhals_loader(
     monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "from-the-secret")
     for name, text in configs.items():
         data = yaml.safe_load(text)
+        config = load(tmp_path, name, text)  # the file as rendered, strict loader
         if "discovery" in data:
-            config = _load_discovery_variant(tmp_path, name, text, data)
-        else:
-            config = load(tmp_path, name, text)  # the file as rendered, strict loader
+            assert not config.engines, "discovery and static engines are exclusive"
+            written = data["discovery"]["dns"]
+            loaded = config.discovery.dns
+            assert len(loaded) == len(written)
+            for source, entry in zip(loaded, written, strict=True):
+                assert source.model_dump(mode="json", include=set(entry)) == entry
         assert config.router_id == name.removesuffix(".yaml")  # = the pod name
         assert check_startable(config) == []  # token set, listening off loopback
-
-
-def _load_discovery_variant(tmp_path: Path, name: str, text: str, data: dict[str, Any]) -> Any:
-    discovery = data.pop("discovery")
-    assert "engines" not in data, "discovery and static engines are exclusive"
-    assert set(discovery) == {"interval_s", "grace_s", "dns"}
-    with pytest.raises(ConfigError) as refused:
-        load(tmp_path, f"without-discovery-{name}", data)
-    assert refused.value.problems == ["engines: required key is missing"]
-    data["engines"] = [
-        {
-            "id": f"dns-{i}",
-            "url": f"http://{entry['name']}:{entry['port']}",
-            "role": entry["role"],
-            "kv_role": entry["kv_role"],
-        }
-        for i, entry in enumerate(discovery["dns"])
-    ]
-    return load(tmp_path, f"dns-as-engines-{name}", data)
 
 
 @pytest.mark.parametrize("case", sorted(GOOD))

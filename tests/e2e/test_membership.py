@@ -291,6 +291,7 @@ async def test_a_standby_follows_the_membership_and_serves_it_after_takeover(
         "role": "decode",
         "kv_role": "kv_consumer",
         "api": "vllm",
+        "origin": "operator",
     }
 
     await active.stop()

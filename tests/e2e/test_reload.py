@@ -56,6 +56,9 @@ async def _router(
     path = tmp_path / "narwhal.yaml"
     _write(path, config)
     rr = await start_router(config["engines"], router_kwargs={"config_path": path}, **sections)
+    # The file says what the router runs: the test fixture chose its `serving.workers`.
+    config["serving"] = {**config["serving"], "workers": rr.router.config.serving.workers}
+    _write(path, config)
     return rr, path, config
 
 

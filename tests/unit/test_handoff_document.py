@@ -168,10 +168,14 @@ def test_the_document_has_exactly_the_specified_top_level_fields(saved: dict[str
     assert saved == seal(saved)
 
 
-def test_the_engine_set_lists_every_configured_engine_with_its_url(
+def test_the_engine_set_lists_every_member_with_its_url_and_how_it_is_configured(
     saved: dict[str, Any],
 ) -> None:
-    assert saved["engine_set"] == [{"id": e["id"], "url": e["url"]} for e in ENGINES]
+    kv = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+    assert saved["engine_set"] == [
+        {"id": e["id"], "url": e["url"], "role": e["role"], "kv_role": kv[e["role"]], "api": "vllm"}
+        for e in ENGINES
+    ]
     assert list(saved["engines"]) == [e["id"] for e in ENGINES]
 
 

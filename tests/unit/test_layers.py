@@ -20,7 +20,17 @@ ALLOWED: dict[str, set[str]] = {
     "dataplane": {"clock", "config", "engine", "fleet", "telemetry"},
     "state": {"clock", "config", "fleet", "telemetry"},
     "telemetry": {"clock", "config", "engine", "fleet"},
-    "control": {"clock", "config", "dataplane", "engine", "fleet", "state", "telemetry"},
+    "discovery": {"clock", "config"},
+    "control": {
+        "clock",
+        "config",
+        "dataplane",
+        "discovery",
+        "engine",
+        "fleet",
+        "state",
+        "telemetry",
+    },
     # The worker processes and the control process's side of them: wiring, like `server`.
     "process": {
         "clock",

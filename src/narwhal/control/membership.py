@@ -1,7 +1,10 @@
 """Engines joining and leaving while the router runs (DESIGN §10).
 
-Three sources change the membership: the operator (`POST /admin/engines`, `DELETE
-/admin/engines/{id}`), a config reload, and discovery. Each change is one of:
+Sources change the membership: the operator (`POST /admin/engines`, `DELETE
+/admin/engines/{id}`), a config reload, discovery (DNS, a file), and, on a standby, the
+active's handoff. Each engine has an origin (`config`, `operator`, `dns`, `file`), and a
+source adds, relocates and removes only engines of its own origin: a reload never removes an
+engine the operator added, nor discovery one that the config lists. Each change is one of:
 
 - **added**: the engine joins unverified, and takes work after its first healthy answer with
   the right model (the health stage verifies it, as at start);
@@ -16,7 +19,7 @@ Three sources change the membership: the operator (`POST /admin/engines`, `DELET
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from narwhal.clock import Clock
@@ -26,6 +29,10 @@ from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
 
 log = logging.getLogger("narwhal.membership")
+
+
+ORIGINS = {"reload": "config"}
+"""A source's origin where the names differ: a reload manages the config's engines."""
 
 
 class MembershipConflict(Exception):
@@ -92,9 +99,13 @@ class Membership:
     forgotten: list[Callable[[str], None]] = field(default_factory=list)
     _removed_by: dict[str, str] = field(default_factory=dict)  # leaving engines' sources
 
-    def members(self) -> list[EngineConfig]:
-        """The engines that stay (not leaving)."""
-        return [e.config for e in self.fleet if e.leaving is None]
+    def members(self, origin: str | None = None) -> list[EngineConfig]:
+        """The engines that stay (not leaving), of `origin` (None: every origin)."""
+        return [
+            e.config
+            for e in self.fleet
+            if e.leaving is None and (origin is None or e.origin == origin)
+        ]
 
     def check(self, config: EngineConfig) -> None:
         """Refuse an engine that cannot join as it is (MembershipConflict says why)."""
@@ -111,10 +122,11 @@ class Membership:
                 "engine API"
             )
 
-    def add(self, config: EngineConfig, source: str) -> None:
+    def add(self, config: EngineConfig, source: str, origin: str | None = None) -> None:
+        """Add an engine; its origin is `source`'s (`reload`: `config`) unless given."""
         self.check(config)
         try:
-            self.fleet.add(config, f"added by {source}")
+            self.fleet.add(config, f"added by {source}", origin or ORIGINS.get(source, source))
         except ValueError as exc:  # the workers' table is full
             raise MembershipConflict(str(exc)) from None
         self._count("added", source)
@@ -139,13 +151,23 @@ class Membership:
         self._count("relocated", source)
         self.publish()
 
-    def apply(self, desired: Sequence[EngineConfig], source: str) -> Plan:
-        """Make the members `desired` (a reload, a discovery round); checked first, so a
-        conflict changes nothing."""
-        change = plan(self.members(), desired)
-        staying = {e.id for e in self.members()} - set(change.remove)
-        urls = {e.config.url: e.id for e in self.fleet if e.id in staying}
+    def apply(
+        self,
+        desired: Sequence[EngineConfig],
+        source: str,
+        origins: Mapping[str, str] | None = None,
+    ) -> Plan:
+        """Make `source`'s engines `desired` (a reload, a discovery round); checked first, so
+        a conflict changes nothing. `origins` (a standby following the handoff): `desired`
+        is the whole fleet, each engine with its origin."""
+        origin = None if origins is not None else ORIGINS.get(source, source)
+        change = plan(self.members(origin), desired)
+        staying = {e.id for e in self.members(origin)} - set(change.remove)
+        others = {e.id for e in self.fleet if origin is not None and e.origin != origin}
+        urls = {e.config.url: e.id for e in self.fleet if e.id in staying or e.id in others}
         for config in (*change.add, *change.relocate, *change.replace):
+            if config.id in others:
+                raise MembershipConflict(f"engine {config.id!r} is another source's")
             owner = urls.get(config.url)
             if owner is not None and owner != config.id:
                 raise MembershipConflict(f"url {config.url} is engine {owner!r}'s")
@@ -160,7 +182,7 @@ class Membership:
         for config in change.replace:
             self._forget(config.id, "role or api changed", source)
         for config in (*change.add, *change.replace):
-            self.add(config, source)
+            self.add(config, source, None if origins is None else origins.get(config.id))
         for config in change.relocate:
             self.relocate(config, source)
         return change

@@ -200,7 +200,10 @@ class Ownership:
                 return  # older epoch, or nothing new
         if self._membership is not None:
             try:
-                self._membership.apply(members_of(doc, self._cfg), "handoff")
+                members = members_of(doc, self._cfg)
+                self._membership.apply(
+                    [c for c, _ in members], "handoff", origins={c.id: o for c, o in members}
+                )
             except (MembershipConflict, ValueError) as exc:
                 self.follow_error = f"membership: {exc}"
                 return

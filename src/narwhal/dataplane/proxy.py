@@ -161,7 +161,7 @@ class DataPlane:
         # their read timers.
         self._movable: dict[str, dict[_Attempt, asyncio.Timeout]] = {}
         self._migration_limit = config.serving.migrations
-        self._ids_by = adapters(config.engines[0]).token_ids_by  # a fleet speaks one API
+        self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config (control/reload.py): timeouts and policies for new requests.

@@ -26,3 +26,6 @@ class Adapters:
 
     def __call__(self, engine: EngineConfig) -> Adapter:
         return self._by_api[engine.api]
+
+    def of_api(self, api: str) -> Adapter:
+        return self._by_api[api]

@@ -33,6 +33,7 @@ def encode(state: EngineState) -> dict[str, Any]:
         "verified": state.verified,
         "unverified_reason": state.unverified_reason,
         "leaving": state.leaving,
+        "origin": state.origin,
     }
 
 
@@ -52,4 +53,5 @@ def decode(data: dict[str, Any], config: EngineConfig) -> EngineState:
         verified=data["verified"],
         unverified_reason=data["unverified_reason"],
         leaving=data["leaving"],
+        origin=data["origin"],
     )

@@ -63,6 +63,9 @@ class EngineState:
     unverified_reason: str | None = NOT_YET_SEEN  # why not verified yet (None once verified)
     # Removed from the fleet (DESIGN §10): no new work; forgotten once its requests settle.
     leaving: str | None = None
+    # Where its membership comes from: `config`, `operator`, `dns` or `file`. Each source
+    # adds and removes only its own engines.
+    origin: str = "config"
 
     @property
     def id(self) -> str:

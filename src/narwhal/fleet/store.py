@@ -62,12 +62,13 @@ class Fleet:
     def has(self, engine_id: str) -> bool:
         return engine_id in self._engines
 
-    def add(self, config: EngineConfig, reason: str) -> EngineState:
+    def add(self, config: EngineConfig, reason: str, origin: str) -> EngineState:
         """A new member (DESIGN §10): unverified, so never a candidate until its first
         healthy answer."""
         if config.id in self._engines:
             raise ValueError(f"engine {config.id!r} is already in the fleet")
-        state = self._engines[config.id] = EngineState(config=config, role=config.role)
+        state = EngineState(config=config, role=config.role, origin=origin)
+        self._engines[config.id] = state
         self.in_flight.add(config.id)
         log.info(
             "engine %s: absent -> %s (%s)",
@@ -180,7 +181,7 @@ class Fleet:
 
     def needed_roles(self) -> tuple[Role, ...]:
         """Roles a request needs: both legs for a PD fleet, one for a unified fleet."""
-        if all(e.role is Role.BOTH for e in self._engines.values()):
+        if self._engines and all(e.role is Role.BOTH for e in self._engines.values()):
             return (Role.BOTH,)
         return (Role.PREFILL, Role.DECODE)
 

@@ -103,7 +103,7 @@ def build_document(
             "pid": os.getpid(),
             "lease_epoch": lease["epoch"] if lease else None,
         },
-        "engine_set": [member_entry(e.config) for e in members],
+        "engine_set": [member_entry(e) for e in members],
         "engines": {e.id: engine_document(e) for e in members},
         "consolidation_risk": risk,
         "counters": _members_only(fleet.counters.to_json(), {e.id for e in members}),
@@ -113,8 +113,10 @@ def build_document(
     return doc
 
 
-def member_entry(config: EngineConfig) -> dict[str, Any]:
-    """An engine's `engine_set` entry: what a standby needs to add it (never its API key)."""
+def member_entry(engine: EngineState) -> dict[str, Any]:
+    """An engine's `engine_set` entry: what a standby needs to add it (never its API key),
+    and where its membership comes from."""
+    config = engine.config
     entry: dict[str, Any] = {
         "id": config.id,
         "url": config.url,
@@ -126,19 +128,25 @@ def member_entry(config: EngineConfig) -> dict[str, Any]:
         entry["api_key_env"] = config.api_key_env
     if config.slot_save_path is not None:
         entry["slot_save_path"] = config.slot_save_path
+    if engine.origin != "config":
+        entry["origin"] = engine.origin
     return entry
 
 
-def members_of(doc: dict[str, Any], config: Config) -> list[EngineConfig]:
-    """The membership a document records, as engine configs. An entry without its role (a
-    router that predates membership changes wrote it) takes the configured engine's."""
+def members_of(doc: dict[str, Any], config: Config) -> list[tuple[EngineConfig, str]]:
+    """The membership a document records: each engine's config and origin. An entry without
+    its role (a router that predates membership changes wrote it) takes the configured
+    engine's."""
     configured = {e.id: e for e in config.engines}
     members = []
     for entry in doc["engine_set"]:
+        origin = entry.get("origin", "config")
         if "role" in entry:
-            members.append(EngineConfig.model_validate(entry))
+            fields = {k: v for k, v in entry.items() if k != "origin"}
+            members.append((EngineConfig.model_validate(fields), origin))
         elif entry["id"] in configured:
-            members.append(configured[entry["id"]].model_copy(update={"url": entry["url"]}))
+            engine = configured[entry["id"]].model_copy(update={"url": entry["url"]})
+            members.append((engine, origin))
     return members
 
 

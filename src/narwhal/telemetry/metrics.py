@@ -197,6 +197,19 @@ class Metrics:
         self.ejections = Counter(
             "narwhal_ejections", "Ejections by engine and cause", ["engine", "cause"], registry=r
         )
+        self.discovery_rounds = Counter(
+            "narwhal_discovery_rounds",
+            "Discovery rounds by source (dns, file) and result: ok, or failed (a DNS timeout or "
+            "server failure, an unreadable or invalid file; nothing changed)",
+            ["source", "result"],
+            registry=r,
+        )
+        self.discovered_engines = Gauge(
+            "narwhal_discovered_engines",
+            "Engines the last successful discovery round of a source found",
+            ["source"],
+            registry=r,
+        )
         self.reloads = Counter(
             "narwhal_reloads",
             "Config reloads by result: ok (applied), refused (the file does not validate, or "
