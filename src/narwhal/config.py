@@ -108,11 +108,17 @@ class EngineConfig(_Section):
     # llamacpp only: the engines' shared `--slot-save-path` as the router sees it, so saved
     # slot files can be removed after use (without it they are left for the operator).
     slot_save_path: str | None = Field(default=None, min_length=1)
+    # The model the engine must serve (`GET /v1/models`); unset: the config's `model`.
+    model: str | None = Field(default=None, min_length=1)
 
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
         return _check_url(value)
+
+    def with_model(self, default: str) -> EngineConfig:
+        """This engine with its model resolved (the router's default when it declares none)."""
+        return self if self.model is not None else self.model_copy(update={"model": default})
 
     @field_validator("role", mode="before")
     @classmethod
@@ -351,6 +357,7 @@ class DnsSource(_Section):
     scheme: Literal["http", "https"] = "http"
     api_key_env: str | None = None
     slot_save_path: str | None = Field(default=None, min_length=1)
+    model: str | None = Field(default=None, min_length=1)
 
     @field_validator("role", mode="before")
     @classmethod
@@ -439,6 +446,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _fleet(self) -> Self:
+        # Every engine serves a model: its own `model`, else the router's (the default).
+        object.__setattr__(self, "engines", tuple(e.with_model(self.model) for e in self.engines))
         discovered = self.discovery.enabled
         if not self.engines and not discovered:
             raise ValueError("engines: at least one engine is required (or a discovery source)")

@@ -36,7 +36,9 @@ def add_routes(app: web.Application, router: Router) -> None:
         return exchange.response(await dataplane.handle("chat", exchange))
 
     async def models(request: web.Request) -> web.StreamResponse:
-        return web.json_response(models_list(router.config.model))
+        return web.json_response(
+            models_list(router.fleet.servable_models(router.clock.monotonic()))
+        )
 
     async def health(request: web.Request) -> web.StreamResponse:
         return web.Response(text="ok")

@@ -46,7 +46,7 @@ from narwhal.engine.transport import EngineClient
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.inflight import InFlight
 from narwhal.fleet.intervals import IntervalStats
-from narwhal.fleet.readiness import ready_reason
+from narwhal.fleet.readiness import fleet_ready_reason
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
 from narwhal.process.supervisor import Supervisor, sweep_stale_runtime_dirs
@@ -193,6 +193,7 @@ class Router:
             self.metrics,
             self.clock,
             config.fleet_api,
+            config.model,
             self.publish,
             forgotten=[self._forget_engine],
         )
@@ -328,9 +329,9 @@ class Router:
         active's), and timeouts and policies for new requests. Keys that need a restart are
         reported and left as they are. Raises ConfigError (the file does not validate) or
         MembershipConflict, and then nothing changed."""
-        if self.config_path is None:
-            raise ConfigError(["(file): this router was not started from a config file"])
         try:
+            if self.config_path is None:
+                raise ConfigError(["(file): this router was not started from a config file"])
             new = await asyncio.to_thread(load_config, self.config_path)
             changes = reload_changes(self.config, new)
             engines = None
@@ -358,6 +359,7 @@ class Router:
 
     def _reconfigure(self, config: Config) -> None:
         self.config = config
+        self.membership.model = config.model
         self.dataplane.reconfigure(config)
         self.fleet.policy = Policy.of(config.recovery)
         for part in (self.health, self.suspects, self.prober, self.readmission, self.small):
@@ -386,16 +388,12 @@ class Router:
         """Runs monitor passes: always without a lease, else only while holding it."""
         return self.ownership is None or self.ownership.keeper.role is LeaseRole.ACTIVE
 
-    def roles_without_capacity(self) -> list[Any]:
-        now = self.clock.monotonic()
-        return [r for r in self.fleet.needed_roles() if not self.fleet.candidates(r, now)]
-
     def ready(self) -> str | None:
-        reason = ready_reason(
+        reason = fleet_ready_reason(
             self.admission.reason("lease"),
             self.admission.reason("monitor"),
-            self.roles_without_capacity(),
-            self.fleet.roles_without_verified(),
+            self.fleet,
+            self.clock.monotonic(),
         )
         self.metrics.ready.set(0 if reason else 1)
         return reason
@@ -419,6 +417,8 @@ class Router:
                     "url": e.config.url,
                     "role": e.role.value,
                     "kv_role": e.config.effective_kv_role.value,
+                    "model": e.model,
+                    "served_models": sorted(e.served),
                     "eligible": self.fleet.eligible(e, now),
                     "verified": e.verified,
                     "unverified_reason": e.unverified_reason,

@@ -133,6 +133,8 @@ async def test_every_documented_metric_is_exported_with_its_labels(
     p0, p1, d0 = sim_factory.start_many([PREFILL, PREFILL, DECODE])
     dead = f"http://127.0.0.1:{closed_port()}"
     drains = FailOnce()
+    discovered = tmp_path / "engines.yaml"
+    discovered.write_text("[]\n")  # discovery rounds, finding nothing
     rr = await start_router(
         [
             {"id": "p0", "url": p0.url, "role": "prefill"},
@@ -150,6 +152,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
             "renew_interval_s": 2,
         },
         router_kwargs={"resume": True, "stage_overrides": {"drains": drains}},
+        discovery={"file": str(discovered), "interval_s": 0.2},
     )
     drains.rr = rr
     router = rr.router
@@ -189,6 +192,13 @@ async def test_every_documented_metric_is_exported_with_its_labels(
         assert resp.status == 200
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
 
+    # Membership: an engine added at runtime; a reload refused (not started from a file).
+    added = {"id": "p3", "url": f"http://127.0.0.1:{closed_port()}", "role": "prefill"}
+    async with http.post(rr.url + "/admin/engines", json=added) as resp:
+        assert resp.status == 201, await resp.text()
+    async with http.post(rr.url + "/admin/reload") as resp:
+        assert resp.status == 400
+
     # A drift decision (detect mode): two closed windows where p1 is 10x its peers. Windows
     # are injected because a real slow engine is the subject of test_controller_drift.py.
     for i in (1, 2):
@@ -205,6 +215,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
             ("narwhal_holds_active", {"engine": "p2", "hold": "operator_drain"}),
             ("narwhal_handoff_writes_total", {"result": "ok"}),
             ("narwhal_migrated_streams_total", {"result": "saved"}),
+            ("narwhal_discovery_rounds_total", {"source": "file", "result": "ok"}),
         ]
         return families if all(has_sample(families, m, **lb) for m, lb in wanted) else None
 

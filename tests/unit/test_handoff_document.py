@@ -173,7 +173,14 @@ def test_the_engine_set_lists_every_member_with_its_url_and_how_it_is_configured
 ) -> None:
     kv = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
     assert saved["engine_set"] == [
-        {"id": e["id"], "url": e["url"], "role": e["role"], "kv_role": kv[e["role"]], "api": "vllm"}
+        {
+            "id": e["id"],
+            "url": e["url"],
+            "role": e["role"],
+            "kv_role": kv[e["role"]],
+            "api": "vllm",
+            "model": "demo-model",
+        }
         for e in ENGINES
     ]
     assert list(saved["engines"]) == [e["id"] for e in ENGINES]

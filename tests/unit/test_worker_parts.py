@@ -34,7 +34,7 @@ from narwhal.config import Config, ConfigError, EngineConfig, Role, parse_config
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.codec import decode, encode
-from narwhal.fleet.events import HealthOk
+from narwhal.fleet.events import EjectRequested, HealthOk, VerificationSeen
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.inflight import Choose, InFlight
 from narwhal.fleet.intervals import Histogram, IntervalStats
@@ -548,7 +548,20 @@ def test_worker_gate_ready(
 ) -> None:
     worker = WorkerGate(FakeClock(monotonic=100.0))
     worker.data, worker.lost, worker.draining = data, lost, draining
-    assert worker.ready(without_capacity, unverified) == expected
+    assert worker.ready(_fleet_where(without_capacity, unverified)) == expected
+
+
+def _fleet_where(without_capacity: list[Role], unverified: list[Role]) -> Fleet:
+    """p0 and d0: a role's engine unverified, or verified and ejected (no capacity), or in
+    service."""
+    clock = FakeClock(monotonic=100.0)
+    fleet = Fleet(parse_config(BASE).engines[:2], clock)
+    for engine in list(fleet):
+        if engine.role not in unverified:
+            fleet.apply(VerificationSeen(engine.id, True, "test"), 0.0)
+        if engine.role in without_capacity and engine.role not in unverified:
+            fleet.apply(EjectRequested(engine.id, "connection", "test"), 0.0)
+    return fleet
 
 
 def test_worker_gate_follows_its_clock() -> None:
@@ -556,15 +569,15 @@ def test_worker_gate_follows_its_clock() -> None:
     worker = WorkerGate(clock)
     worker.data = gate(OPEN)
     assert worker.closed_reason() is None
-    assert worker.ready([], []) is None
+    assert worker.ready(_fleet_where([], [])) is None
     clock.advance(15.0)  # 110: the lease's local expiry, with no word from the control process
     assert worker.closed_reason() == FENCED_LINE
-    assert worker.ready([], []) == FENCED_LINE
+    assert worker.ready(_fleet_where([], [])) == FENCED_LINE
     clock.advance(10.0)  # 120: the control process's last word runs out; the lease stays lost
     assert worker.closed_reason() == FENCED_LINE
     worker.data = gate(AdmissionWindow(None, 130.0, 90.0))  # a lease still valid at 120
     assert worker.closed_reason() == CONTROL_LOST
-    assert worker.ready([], []) == CONTROL_LOST
+    assert worker.ready(_fleet_where([], [])) == CONTROL_LOST
 
 
 # --------------------------------------------------------------------------- supervisor helpers

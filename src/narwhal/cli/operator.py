@@ -69,7 +69,19 @@ def _step_label(step: dict[str, Any]) -> str:
 
 
 def _table(engines: list[dict[str, Any]]) -> str:
-    rows = [("ENGINE", "ROLE", "ELIGIBLE", "EJECTED", "HOLDS", "EVIDENCE", "LIVENESS", "IN-FLIGHT")]
+    rows = [
+        (
+            "ENGINE",
+            "ROLE",
+            "ELIGIBLE",
+            "EJECTED",
+            "HOLDS",
+            "EVIDENCE",
+            "LIVENESS",
+            "IN-FLIGHT",
+            "MODEL",
+        )
+    ]
     for e in engines:
         evidence = ",".join(f"{k}={v}" for k, v in e["evidence"].items() if v) or "-"
         holds = ",".join(e["holds"]) or "-"
@@ -84,6 +96,7 @@ def _table(engines: list[dict[str, Any]]) -> str:
                 evidence,
                 str(e["liveness_misses"]),
                 str(e["in_flight"]),
+                e.get("model") or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

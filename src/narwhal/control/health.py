@@ -169,10 +169,10 @@ class HealthStages:
         engine = self._fleet.get(engine_id)
         if engine.verified:
             return
-        ok, reason = verification(result, self._cfg.model)
+        ok, reason = verification(result, engine.model or self._cfg.model)
         if not ok and result.models is not None and reason != engine.unverified_reason:
             log.warning("engine %s stays unverified: %s", engine.id, reason)
-        self._lifecycle.verify(engine, ok, reason, now)
+        self._lifecycle.verify(engine, ok, reason, now, tuple(result.models or ()))
 
     async def startup_sweep(self, now: float) -> None:
         """At start, before the first pass: check every unverified engine once, concurrently,
@@ -258,7 +258,8 @@ class HealthStages:
             cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return None, "is not an OpenAI model list"
-        limit = next((m.get("max_model_len") for m in cards if m["id"] == self._cfg.model), None)
+        model = engine.model or self._cfg.model
+        limit = next((m.get("max_model_len") for m in cards if m["id"] == model), None)
         if engine.max_model_len is None and isinstance(limit, int) and limit > 0:
             self._fleet.apply(ModelLimitLearned(engine.id, limit), now)
         return tuple(m["id"] for m in cards), None

@@ -24,10 +24,18 @@ class Lifecycle:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
-    def verify(self, engine: EngineState, verified: bool, reason: str, now: float) -> None:
+    def verify(
+        self,
+        engine: EngineState,
+        verified: bool,
+        reason: str,
+        now: float,
+        models: tuple[str, ...] = (),
+    ) -> None:
         """The outcome of one look at an unverified engine (DESIGN §10): `verified` makes it
-        eligible; otherwise a new reason why not is recorded (logged once per change)."""
-        self._fleet.apply(VerificationSeen(engine.id, verified, reason), now)
+        eligible, for its model and the `models` it reported (LoRA adapters); otherwise a new
+        reason why not is recorded (logged once per change)."""
+        self._fleet.apply(VerificationSeen(engine.id, verified, reason, models), now)
 
     def eject(self, engine: EngineState, cause: str, reason: str, now: float) -> None:
         """Take an engine out of placement (a confirmed failure: no last-engine protection)."""

@@ -83,7 +83,12 @@ def plan(current: Iterable[EngineConfig], desired: Sequence[EngineConfig]) -> Pl
 
 def _same_engine(old: EngineConfig, new: EngineConfig) -> bool:
     """Only where it is served (and how it is reached) changed: a relocation."""
-    return (old.role, old.kv_role, old.api) == (new.role, new.kv_role, new.api)
+    return (old.role, old.kv_role, old.api, old.model) == (
+        new.role,
+        new.kv_role,
+        new.api,
+        new.model,
+    )
 
 
 @dataclass
@@ -95,6 +100,7 @@ class Membership:
     metrics: Metrics
     clock: Clock
     api: str  # the fleet's one engine API
+    model: str  # what an engine that names no model must serve (the config's `model`)
     publish: Callable[[], None]
     forgotten: list[Callable[[str], None]] = field(default_factory=list)
     _removed_by: dict[str, str] = field(default_factory=dict)  # leaving engines' sources
@@ -124,6 +130,7 @@ class Membership:
 
     def add(self, config: EngineConfig, source: str, origin: str | None = None) -> None:
         """Add an engine; its origin is `source`'s (`reload`: `config`) unless given."""
+        config = config.with_model(self.model)
         self.check(config)
         try:
             self.fleet.add(config, f"added by {source}", origin or ORIGINS.get(source, source))
@@ -161,6 +168,7 @@ class Membership:
         a conflict changes nothing. `origins` (a standby following the handoff): `desired`
         is the whole fleet, each engine with its origin."""
         origin = None if origins is not None else ORIGINS.get(source, source)
+        desired = [c.with_model(self.model) for c in desired]
         change = plan(self.members(origin), desired)
         staying = {e.id for e in self.members(origin)} - set(change.remove)
         others = {e.id for e in self.fleet if origin is not None and e.origin != origin}

@@ -139,11 +139,12 @@ class InferenceProber:
         """The least busy eligible engine of `role` other than `probed`; failing that, one
         that is only held for inference verification (see the module docstring)."""
         now = self._clock.monotonic()
-        candidates = [c for c in self._fleet.candidates(role, now) if c.id != probed.id]
+        model = probed.model  # a peer serves the same model (its KV must fit)
+        candidates = [c for c in self._fleet.candidates(role, now, model) if c.id != probed.id]
         if not candidates:
             candidates = [
                 Candidate(e.id, self._fleet.in_flight.of(e.id))
-                for e in self._fleet.verification_peers(role, now)
+                for e in self._fleet.verification_peers(role, now, model)
                 if e.id != probed.id
             ]
         peer_id = least_in_flight(candidates, 0)
@@ -197,11 +198,12 @@ class InferenceProber:
             await self.discard(peer, handoff)
         return ProbeResult(Verdict.OK, f"decode leg ok on a handoff from {peer.id}", peer=peer.id)
 
-    def _probe_body(self) -> dict[str, Any]:
-        return {"model": self._cfg.model, "prompt": PROBE_PROMPT, "max_tokens": 2, "stream": True}
+    def _probe_body(self, engine: EngineState) -> dict[str, Any]:
+        model = engine.model or self._cfg.model
+        return {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 2, "stream": True}
 
     def unified_body(self, engine: EngineState) -> dict[str, Any]:
-        return self._adapters(engine.config).unified_body(self._probe_body())
+        return self._adapters(engine.config).unified_body(self._probe_body(engine))
 
     def _headers(self, engine: EngineState) -> dict[str, Any]:
         return engine_headers(engine.config.resolved_api_key(), f"narwhal-probe-{engine.id}")
@@ -213,7 +215,7 @@ class InferenceProber:
                 PoolKind.CONTROL,
                 engine.config,
                 "completions",
-                {"model": self._cfg.model, "prompt": PROBE_PROMPT},
+                {"model": engine.model or self._cfg.model, "prompt": PROBE_PROMPT},
                 self._headers(engine),
                 self._cfg.engine.probe_timeout_s,
             )
@@ -237,7 +239,7 @@ class InferenceProber:
             async with adapter.decode(
                 PoolKind.CONTROL,
                 engine.config,
-                self._probe_body(),
+                self._probe_body(engine),
                 handoff,
                 self._headers(engine),
                 self._cfg.engine.probe_timeout_s,

@@ -274,9 +274,10 @@ class Readmission:
             models = [m.get("id") for m in orjson.loads(reply.body)["data"]]
         except (EngineFailure, orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             return False, f"cannot read /v1/models: {exc}"
-        if self._cfg.model not in models:
-            return False, f"serves {models}, not {self._cfg.model!r}"
-        return True, f"serves {self._cfg.model!r}"
+        model = engine.model or self._cfg.model
+        if model not in models:
+            return False, f"serves {models}, not {model!r}"
+        return True, f"serves {model!r}"
 
     async def _generation(self, engine: EngineState) -> tuple[bool, str]:
         generation, why = await self._adapters(engine.config).generation(engine.config)

@@ -39,12 +39,13 @@ def error_answer(
     *,
     param: str | None = None,
     retry_after_s: int | None = None,
+    code: str | None = None,
 ) -> Answer:
-    """`openai_error` as the data plane's `Answer`, counted under `outcome`."""
+    """`openai_error` as the data plane's `Answer`, counted under `outcome`; the body's
+    `code` is `code`, else the status."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return Answer(
-        status, error_body(message, type_, status, param), "application/json", outcome, headers
-    )
+    body = error_body(message, type_, code or status, param)
+    return Answer(status, body, "application/json", outcome, headers)
 
 
 def sse_error_event(message: str, type_: str, code: int) -> bytes:

@@ -215,6 +215,14 @@ class DataPlane:
         try:
             raw = await self._read_body(exchange)
             req = parse_request(endpoint, raw, self._cfg.model)
+            if req.model is not None and not self._fleet.knows_model(req.model):
+                raise BadRequest(
+                    404,
+                    f"The model `{req.model}` does not exist.",
+                    param="model",
+                    type_="NotFoundError",
+                    code="model_not_found",
+                )
         except BadRequest as exc:
             return _bad_request(exc)
         closed = self._admission.closed_reason()
@@ -342,7 +350,9 @@ class DataPlane:
             splice.start_leg(leg)
             attempt = _Attempt(self._new_id(), splice=splice)
             try:
-                return await self._attempt(_continued(leg), exchange, deadline, attempt, tried)
+                model = splice.body.get("model", self._cfg.model)
+                continued = _continued(leg, model)
+                return await self._attempt(continued, exchange, deadline, attempt, tried)
             except Interrupted as exc:
                 failure, cause = exc.failure, exc.cause
                 continue
@@ -366,8 +376,9 @@ class DataPlane:
         """The chat's prompt as an eligible engine's template renders it (llama.cpp gives
         no prompt ids in the stream)."""
         now = self._clock.monotonic()
-        role = self._fleet.needed_roles()[0]
-        engine_id = least_in_flight(self._fleet.candidates(role, now), 0)
+        model = splice.body.get("model", self._cfg.model)
+        role = self._fleet.needed_roles(model)[0]
+        engine_id = least_in_flight(self._fleet.candidates(role, now, model), 0)
         if engine_id is None:
             raise NoCapacity(role)
         engine = self._fleet.get(engine_id).config
@@ -385,11 +396,12 @@ class DataPlane:
         limits = [e.max_model_len for e in self._fleet if e.max_model_len is not None]
 
         async def count(r: ClientRequest) -> int | None:
-            role = self._fleet.needed_roles()[0]
-            engine_id = least_in_flight(self._fleet.candidates(role, self._clock.monotonic()), 0)
+            role = self._fleet.needed_roles(r.model)[0]
+            now = self._clock.monotonic()
+            engine_id = least_in_flight(self._fleet.candidates(role, now, r.model), 0)
             if engine_id is None:
                 return None
-            body: dict[str, Any] = {"model": self._cfg.model}
+            body: dict[str, Any] = {"model": r.model or self._cfg.model}
             if r.endpoint == "chat":
                 body["messages"] = r.body["messages"]
             else:
@@ -420,14 +432,14 @@ class DataPlane:
 
     # ---------------------------------------------------------------- one attempt
     @contextmanager
-    def _placed(self, role: Role, tried: set[str]) -> Iterator[EngineState]:
+    def _placed(self, role: Role, tried: set[str], model: str | None) -> Iterator[EngineState]:
         """An engine for `role`, in flight there until the block ends. Engines not yet
         `tried` by this request come first; the pick and its count are one step for every
         worker (`InFlightCounts.claim`)."""
         now = self._clock.monotonic()
 
         def choose(turn: int) -> str | None:
-            candidates = self._fleet.candidates(role, now)
+            candidates = self._fleet.candidates(role, now, model)
             return least_in_flight(candidates, turn, exclude=tried) or least_in_flight(
                 candidates, turn
             )
@@ -435,7 +447,7 @@ class DataPlane:
         counts = self._in_flight_counts
         engine_id = counts.claim(role.value, choose)
         if engine_id is None:
-            raise NoCapacity(role, not self._fleet.has_verified(role))
+            raise NoCapacity(role, not self._fleet.has_verified(role, model))
         tried.add(engine_id)
         try:
             yield self._fleet.get(engine_id)
@@ -478,9 +490,10 @@ class DataPlane:
         attempt: _Attempt,
         tried: set[str],
     ) -> Result:
-        roles = self._fleet.needed_roles()
+        model = req.model
+        roles = self._fleet.needed_roles(model)
         if roles == (Role.BOTH,):
-            with self._placed(Role.BOTH, tried) as engine:
+            with self._placed(Role.BOTH, tried, model) as engine:
                 body = self._adapters(engine.config).unified_body(req.body)
                 headers = engine_headers(self._key(engine.config), attempt.request_id)
                 return await self._final_leg(
@@ -489,16 +502,18 @@ class DataPlane:
         now = self._clock.monotonic()
         # Never spend a prefill whose KV nobody can read; /ready's precedence (readiness.py):
         # a role not yet verified (starting) before a role without capacity.
-        missing = [r for r in (Role.PREFILL, Role.DECODE) if not self._fleet.candidates(r, now)]
+        missing = [
+            r for r in (Role.PREFILL, Role.DECODE) if not self._fleet.candidates(r, now, model)
+        ]
         if missing:
-            starting = [r for r in missing if not self._fleet.has_verified(r)]
+            starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
-        with self._placed(Role.PREFILL, tried) as prefill:
+        with self._placed(Role.PREFILL, tried, model) as prefill:
             handoff = await self._prefill_leg(req, deadline, attempt, prefill)
         if isinstance(handoff, Answer):
             return await self._finished_in_prefill(exchange, deadline, attempt, handoff)
         try:
-            with self._placed(Role.DECODE, tried) as decode:
+            with self._placed(Role.DECODE, tried, model) as decode:
                 return await self._decode_leg(
                     req, exchange, deadline, attempt, prefill, decode, handoff
                 )
@@ -936,8 +951,8 @@ def _cause(failure: EngineFailure) -> str:
     return cls.value
 
 
-def _continued(leg: Continuation) -> ClientRequest:
-    """A continuation as the request its legs serve (always a stream)."""
+def _continued(leg: Continuation, model: str) -> ClientRequest:
+    """A continuation as the request its legs serve (always a stream, of the same model)."""
     options = leg.body.get("stream_options")
     return ClientRequest(
         endpoint=leg.endpoint,
@@ -948,6 +963,7 @@ def _continued(leg: Continuation) -> ClientRequest:
         prompt_text=None,
         prompt_token_count=None,
         message_count=0,
+        model=model,
     )
 
 
@@ -980,7 +996,9 @@ def _failure_response(exc: Exception | None) -> Answer:
 
 
 def _bad_request(exc: BadRequest) -> Answer:
-    return error_answer(exc.status, exc.message, exc.type, "bad_request", param=exc.param)
+    return error_answer(
+        exc.status, exc.message, exc.type, "bad_request", param=exc.param, code=exc.code
+    )
 
 
 def _finished_response(req: ClientRequest, parsed: dict[str, Any]) -> Answer:

@@ -13,13 +13,20 @@ from narwhal.engine.vllm import strip_client_kv_params
 
 class BadRequest(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, type_: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type_: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_ or ("not_found_error" if status == 404 else "invalid_request_error")
+        self.code = code  # OpenAI's error code (`model_not_found`); None: the status
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +39,7 @@ class ClientRequest:
     prompt_text: str | None  # for token counting; None when the prompt is token ids
     prompt_token_count: int | None  # exact when the client sent token ids
     message_count: int
+    model: str | None = None  # the model the client named (DESIGN §10: routed by it)
 
 
 def _is_int(v: Any) -> bool:
@@ -97,21 +105,19 @@ def _messages(body: dict[str, Any]) -> tuple[str, int]:
     return orjson.dumps(rendered).decode(), len(messages)
 
 
-def parse_request(endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:
-    """Validate a client body; raises BadRequest with the status the client should get."""
+def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientRequest:
+    """Validate a client body; raises BadRequest with the status the client should get. A
+    body without `model` asks for `default_model`; whether a model is served is the fleet's
+    to say."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
-    model = body.get("model", served_model)
+    model = body.get("model", default_model)
     if not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", param="model")
-    if model != served_model:
-        raise BadRequest(
-            404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError"
-        )
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -141,4 +147,5 @@ def parse_request(endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRe
         prompt_text=prompt_text,
         prompt_token_count=prompt_count,
         message_count=message_count,
+        model=model,
     )

@@ -34,6 +34,7 @@ def encode(state: EngineState) -> dict[str, Any]:
         "unverified_reason": state.unverified_reason,
         "leaving": state.leaving,
         "origin": state.origin,
+        "served": sorted(state.served),
     }
 
 
@@ -54,4 +55,5 @@ def decode(data: dict[str, Any], config: EngineConfig) -> EngineState:
         unverified_reason=data["unverified_reason"],
         leaving=data["leaving"],
         origin=data["origin"],
+        served=frozenset(data["served"]),
     )

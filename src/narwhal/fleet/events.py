@@ -58,6 +58,7 @@ class VerificationSeen:
     engine_id: str
     ok: bool
     reason: str
+    models: tuple[str, ...] = ()  # what the engine reported serving, when known
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,11 +115,14 @@ def reduce(engine: EngineState, event: Event, ctx: Context) -> Step:
             return _release(cleared, HoldName.FAILURE_QUARANTINE, "health 200")
         case LivenessSwept(silent=silent):
             return _liveness(engine, silent, ctx)
-        case VerificationSeen(ok=ok, reason=reason):
+        case VerificationSeen(ok=ok, reason=reason, models=models):
+            served = frozenset(models) if ok and models else engine.served
             if engine.verified or (not ok and engine.unverified_reason == reason):
-                return Step(engine)
+                return Step(engine if served == engine.served else replace(engine, served=served))
             label = "verified" if ok else "not verified"
-            new = replace(engine, verified=ok, unverified_reason=None if ok else reason)
+            new = replace(
+                engine, verified=ok, unverified_reason=None if ok else reason, served=served
+            )
             return Step(new, f"{label}: {reason}")
         case EjectRequested(cause=cause, reason=reason):
             return _eject(engine, cause, reason, ctx)

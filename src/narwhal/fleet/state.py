@@ -66,6 +66,9 @@ class EngineState:
     # Where its membership comes from: `config`, `operator`, `dns` or `file`. Each source
     # adds and removes only its own engines.
     origin: str = "config"
+    # Every model the engine reported when it was verified: its own and, on vLLM, the LoRA
+    # adapters it serves under their own names (requests for them come here too).
+    served: frozenset[str] = frozenset()
 
     @property
     def id(self) -> str:
@@ -73,6 +76,15 @@ class EngineState:
 
     def serves(self, role: Role) -> bool:
         return self.role is role or self.role is Role.BOTH
+
+    @property
+    def model(self) -> str | None:
+        """The model the engine must serve (DESIGN §10); the config resolves it."""
+        return self.config.model
+
+    def serves_model(self, model: str | None) -> bool:
+        """Whether a request for `model` may come here (None: any model)."""
+        return model is None or model == self.config.model or model in self.served
 
     def active_holds(self, now: float) -> list[Hold]:
         return [h for h in self.holds.values() if not h.expired(now)]

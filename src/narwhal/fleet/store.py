@@ -136,8 +136,9 @@ class Fleet:
             observer(before, after, event, step)
         return step.effects
 
-    def candidates(self, role: Role, now: float) -> list[Candidate]:
-        """Engines that may take new work for `role`, with last-engine protection.
+    def candidates(self, role: Role, now: float, model: str | None = None) -> list[Candidate]:
+        """Engines that may take new work for `role` (and `model`: capacity and last-engine
+        protection are per model), with last-engine protection.
 
         Soft holds (drift, quarantine) are honoured only while another engine of the role
         remains eligible; an expired hold no longer counts (no monitor pass needed). An
@@ -147,6 +148,7 @@ class Fleet:
             e
             for e in self._engines.values()
             if e.serves(role)
+            and e.serves_model(model)
             and e.verified
             and e.ejected is None
             and e.leaving is None
@@ -156,13 +158,16 @@ class Fleet:
         chosen = free or base
         return [Candidate(e.id, self.in_flight.of(e.id)) for e in chosen]
 
-    def verification_peers(self, role: Role, now: float) -> list[EngineState]:
+    def verification_peers(
+        self, role: Role, now: float, model: str | None = None
+    ) -> list[EngineState]:
         """Engines of `role` kept out only by an `inference_verification` hold (and soft
         holds): the stand-in peers of an inference probe when no engine is eligible."""
         return [
             e
             for e in self._engines.values()
             if e.serves(role)
+            and e.serves_model(model)
             and e.verified
             and e.ejected is None
             and e.leaving is None
@@ -172,24 +177,47 @@ class Fleet:
 
     def eligible(self, engine: EngineState, now: float) -> bool:
         return any(
-            c.id == engine.id for r in self.roles_of(engine) for c in self.candidates(r, now)
+            c.id == engine.id
+            for r in self.roles_of(engine)
+            for c in self.candidates(r, now, engine.model)
         )
 
     @staticmethod
     def roles_of(engine: EngineState) -> tuple[Role, ...]:
         return (Role.PREFILL, Role.DECODE) if engine.role is Role.BOTH else (engine.role,)
 
-    def needed_roles(self) -> tuple[Role, ...]:
-        """Roles a request needs: both legs for a PD fleet, one for a unified fleet."""
-        if self._engines and all(e.role is Role.BOTH for e in self._engines.values()):
+    def needed_roles(self, model: str | None = None) -> tuple[Role, ...]:
+        """Roles a request needs: both legs for a PD fleet, one for a unified fleet (of
+        `model`'s engines, when given)."""
+        engines = [e for e in self._engines.values() if e.serves_model(model)]
+        if engines and all(e.role is Role.BOTH for e in engines):
             return (Role.BOTH,)
         return (Role.PREFILL, Role.DECODE)
 
-    def has_verified(self, role: Role) -> bool:
-        """Whether any engine serving `role` has been verified (ejected or not)."""
-        return any(e.verified and e.serves(role) for e in self._engines.values())
+    def has_verified(self, role: Role, model: str | None = None) -> bool:
+        """Whether any engine serving `role` (and `model`) has been verified, ejected or not."""
+        return any(
+            e.verified and e.serves(role) and e.serves_model(model) for e in self._engines.values()
+        )
 
-    def roles_without_verified(self) -> list[Role]:
+    def roles_without_verified(self, model: str | None = None) -> list[Role]:
         """Needed roles that no verified engine serves yet: `/ready` says `starting` for
         them (an ejected engine that was verified still counts: that is lost capacity)."""
-        return [r for r in self.needed_roles() if not self.has_verified(r)]
+        return [r for r in self.needed_roles(model) if not self.has_verified(r, model)]
+
+    def models(self) -> list[str]:
+        """The models the members must serve (DESIGN §10), in order."""
+        return sorted({e.model for e in self._engines.values() if e.leaving is None and e.model})
+
+    def knows_model(self, model: str) -> bool:
+        """Whether any member serves `model` (its own, or an adapter it reported)."""
+        return any(e.serves_model(model) for e in self._engines.values())
+
+    def servable_models(self, now: float) -> list[str]:
+        """Models with capacity now: an eligible engine for every role they need (their
+        LoRA adapters included), for `/v1/models`."""
+        names = {e.model for e in self._engines.values() if e.model}
+        names |= {m for e in self._engines.values() for m in e.served}
+        return sorted(
+            m for m in names if all(self.candidates(r, now, m) for r in self.needed_roles(m))
+        )

@@ -8,13 +8,12 @@ and stops admitting when the control process goes quiet, with no timer of its ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from narwhal.clock import Clock
-from narwhal.config import Role
-from narwhal.fleet.readiness import ready_reason
+from narwhal.fleet.readiness import fleet_ready_reason
+from narwhal.fleet.store import Fleet
 from narwhal.state.lease import AdmissionWindow, lease_reason_at
 
 CONTROL_LOST = "control process lost"
@@ -71,10 +70,9 @@ class WorkerGate:
     def closed_reason(self) -> str | None:
         return closed_reason_at(self.data, self._clock.monotonic(), self.lost, self.draining)
 
-    def ready(
-        self, roles_without_capacity: Sequence[Role], roles_unverified: Sequence[Role]
-    ) -> str | None:
-        closed = closed_reason_at(self.data, self._clock.monotonic(), self.lost, self.draining)
+    def ready(self, fleet: Fleet) -> str | None:
+        now = self._clock.monotonic()
+        closed = closed_reason_at(self.data, now, self.lost, self.draining)
         if closed is not None and (self.data is None or closed != self.data.monitor):
             return closed  # the lease, a lost control process or draining: before the rest
-        return ready_reason(None, closed, roles_without_capacity, roles_unverified)
+        return fleet_ready_reason(None, closed, fleet, now)

@@ -188,19 +188,15 @@ class Worker:
             request.respond(200, b"ok", "text/plain", worker)
 
         async def ready(request: ServerRequest) -> None:
-            now = self.clock.monotonic()
-            fleet = self.fleet
-            reason = self.gate.ready(
-                [r for r in fleet.needed_roles() if not fleet.candidates(r, now)],
-                fleet.roles_without_verified(),
-            )
+            reason = self.gate.ready(self.fleet)
             if reason is None:
                 request.respond(200, b"ready", "text/plain", worker)
             else:
                 request.respond(503, reason.encode(), "text/plain", worker)
 
         async def models(request: ServerRequest) -> None:
-            request.respond(200, orjson.dumps(models_list(self.config.model)), "application/json")
+            served = self.fleet.servable_models(self.clock.monotonic())
+            request.respond(200, orjson.dumps(models_list(served)), "application/json")
 
         page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
 

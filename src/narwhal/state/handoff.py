@@ -130,6 +130,8 @@ def member_entry(engine: EngineState) -> dict[str, Any]:
         entry["slot_save_path"] = config.slot_save_path
     if engine.origin != "config":
         entry["origin"] = engine.origin
+    if config.model is not None:
+        entry["model"] = config.model
     return entry
 
 

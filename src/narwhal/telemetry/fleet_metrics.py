@@ -28,9 +28,13 @@ def watch_fleet(fleet: Fleet, metrics: Metrics, clock: Clock) -> None:
         if before.ejected is None and after.ejected is not None:
             metrics.ejections.labels(after.id, after.ejected.cause).inc()
 
+    models: dict[str, tuple[str, ...]] = {}  # each member's model label
+
     def gauges(engine_id: str, present: bool) -> None:
         """A member's gauges from its first moment; gone with it (its counters stay)."""
         if not present:
+            for name in models.pop(engine_id, ()):
+                metrics.engine_model.remove(engine_id, name)
             metrics.in_flight.remove(engine_id)
             metrics.liveness_misses.remove(engine_id)
             for cls in FailureClass:
@@ -38,6 +42,10 @@ def watch_fleet(fleet: Fleet, metrics: Metrics, clock: Clock) -> None:
             for name in HoldName:
                 metrics.holds_active.remove(engine_id, name.value)
             return
+        served = fleet.get(engine_id).model
+        if served is not None:
+            models[engine_id] = (served,)
+            metrics.engine_model.labels(engine_id, served).set(1)
         metrics.in_flight.labels(engine_id).set_function(_in_flight(fleet, engine_id))
         metrics.liveness_misses.labels(engine_id).set_function(_liveness(fleet, engine_id))
         for cls in FailureClass:

@@ -217,6 +217,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.engine_model = Gauge(
+            "narwhal_engine_model_info",
+            "1 for each engine and the model it serves: join it on `engine` to see any "
+            "per-engine metric by model",
+            ["engine", "model"],
+            registry=r,
+        )
         self.membership_changes = Counter(
             "narwhal_membership_changes",
             "Fleet membership changes by change (added, removing, removed, relocated) and "
