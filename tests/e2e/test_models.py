@@ -32,13 +32,16 @@ def sims() -> Iterator[dict[str, SimProcess]]:
     specs = {
         "pa": ("prefill", "model-a"),
         "da": ("decode", "model-a"),
-        "pb": ("prefill", "model-b"),
-        "db": ("decode", "model-b"),
+        "pb": ("prefill", "model-b", "--lora", "b-sql"),
+        "db": ("decode", "model-b", "--lora", "b-sql"),
         "dx": ("decode", "model-a"),  # declared model-b below: the wrong model
     }
     try:
         started = factory.start_many(
-            [["--role", r, "--kv-role", roles[r], "--model", m] for r, m in specs.values()]
+            [
+                ["--role", r, "--kv-role", roles[r], "--model", m, *lora]
+                for r, m, *lora in specs.values()
+            ]
         )
         yield dict(zip(specs, started, strict=True))
     finally:
@@ -73,7 +76,7 @@ async def test_each_model_is_served_by_its_own_engines(
     rr = await _router(start_router, sims)
     async with openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="k", max_retries=0) as client:
         listed = await client.models.list()
-        assert sorted(m.id for m in listed.data) == ["model-a", "model-b"]
+        assert sorted(m.id for m in listed.data) == ["b-sql", "model-a", "model-b"]
         for sim in sims.values():
             sim.clear_requests()
         for _ in range(3):
@@ -84,13 +87,16 @@ async def test_each_model_is_served_by_its_own_engines(
             model="model-b", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         assert chat.model == "model-b"
+        # A LoRA adapter that model-b's engines list under its own name: routed to them.
+        lora = await client.completions.create(model="b-sql", prompt="to b's adapter", max_tokens=2)
+        assert lora.model == "b-sql"
         with pytest.raises(openai.NotFoundError) as missing:
             await client.completions.create(model="model-c", prompt="x", max_tokens=2)
     assert missing.value.code == "model_not_found"
 
     bodies = {name: [r["body"]["model"] for r in _completions(s)] for name, s in sims.items()}
     assert set(bodies["pa"]) == set(bodies["da"]) == {"model-a"} and len(bodies["da"]) == 3
-    assert set(bodies["pb"]) == {"model-b"} and len(bodies["db"]) == 3
+    assert set(bodies["pb"]) == {"model-b", "b-sql"} and len(bodies["db"]) == 4
     assert bodies["dx"] == []  # declared model-b, serves model-a: never verified
     engines = {
         e["id"]: e for e in (await (await http.get(rr.url + "/admin/engines")).json())["engines"]
@@ -110,7 +116,7 @@ async def test_a_model_without_capacity_is_refused_while_the_other_serves(
         assert resp.status == 503
         assert await resp.text() == "no capacity: decode (model model-b)"
     async with openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="k", max_retries=0) as client:
-        assert [m.id for m in (await client.models.list()).data] == ["model-a"]
+        assert [m.id for m in (await client.models.list()).data] == ["model-a"]  # no b-sql
         with pytest.raises(openai.APIStatusError) as refused:
             await client.completions.create(model="model-b", prompt="x", max_tokens=2)
         assert refused.value.status_code == 503

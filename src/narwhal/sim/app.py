@@ -106,7 +106,11 @@ class SimApp:
             "max_model_len": self._config.max_model_len,
             "permission": [],
         }
-        return json_response({"object": "list", "data": [card]})
+        adapters = [
+            {**card, "id": lora, "root": f"/adapters/{lora}", "parent": name}
+            for lora in self._config.lora
+        ]
+        return json_response({"object": "list", "data": [card, *adapters]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         if hang := self._faults.fire(FaultKind.METRICS_HANG):
@@ -138,7 +142,7 @@ class SimApp:
         return await self._completion(request, chat=True)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self._config.model:
+        if model is not None and model != self._config.model and model not in self._config.lora:
             raise RequestError(404, f"The model `{model}` does not exist.", "model")
 
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -186,7 +190,7 @@ class SimApp:
             chat=chat,
             id=("chatcmpl-" if chat else "cmpl-") + request_id,
             created=int(self._clock.wall()),
-            model=self._model_name(leg),
+            model=body.model if body.model in self._config.lora else self._model_name(leg),
             prompt_ids=outcome.prompt_ids
             if body.return_token_ids and self._config.token_ids
             else None,

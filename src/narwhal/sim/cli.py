@@ -63,6 +63,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=[r.value for r in Role], default=d.role.value)
     p.add_argument("--kv-role", choices=[r.value for r in KvRole], default=d.kv_role.value)
     p.add_argument("--model", default=d.model)
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter served under NAME (repeatable), as vLLM lists it in /v1/models",
+    )
     p.add_argument("--max-model-len", type=POSITIVE_INT, default=d.max_model_len)
     p.add_argument("--engine-id", default=None, help="default: a random UUID")
     p.add_argument("--ttft-per-token-ms", type=NON_NEGATIVE, default=d.ttft_per_token_ms)
@@ -134,6 +141,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         kv_load_timeout_s=args.kv_load_timeout_s,
         token_ids=not args.no_token_ids,
+        lora=tuple(args.lora),
     )
 
 

@@ -48,6 +48,9 @@ class SimConfig:
     # Whether `return_token_ids` is honoured (vLLM >= 0.10.2 does; off, the sim is an engine
     # that gives no token ids, which a router can continue only from text).
     token_ids: bool = True
+    # LoRA adapters served under their own names, as vLLM's `--lora-modules NAME=PATH` lists
+    # them in /v1/models (the generation is the base model's).
+    lora: tuple[str, ...] = ()
 
     @property
     def advertised_host(self) -> str:
