@@ -164,7 +164,13 @@ def _value_at(cfg: Config, key: str) -> Any:
 
 
 # Defaults the docs state in words, because they are derived from other keys; each is checked below.
-DERIVED = {"router_id", "engines[].kv_role", "lease.renew_deadline_s", "lease.backend"}
+DERIVED = {
+    "router_id",
+    "engines[].kv_role",
+    "engines[].model",
+    "lease.renew_deadline_s",
+    "lease.backend",
+}
 
 
 def test_every_key_is_documented_and_in_the_example() -> None:
@@ -179,12 +185,17 @@ def test_every_key_is_documented_and_in_the_example() -> None:
         assert re.search(rf"^\s*#?\s*(- )?{leaf}:", example, re.M), f"{key} not in the example"
 
 
+# The minimal config with one DNS source: the base for the `discovery.dns[]` rows.
+WITH_DNS = {**MINIMAL, "discovery": {"dns": [{"name": "engines.test", "role": "decode"}]}}
+
+
 def test_defaults_are_as_documented() -> None:
-    cfg = parse_config(MINIMAL)
     fields = {k: None for k in _documented_keys(Config)}
     checked = 0
     for key, (_type, default) in _doc_rows().items():
         assert key in fields
+        base = WITH_DNS if key.startswith("discovery.dns[]") else MINIMAL
+        cfg = parse_config(base)
         literal = re.fullmatch(r"`([^`]*)`", default)
         if literal:
             assert _value_at(cfg, key) == yaml.safe_load(literal[1]), key
@@ -193,7 +204,7 @@ def test_defaults_are_as_documented() -> None:
             assert _value_at(cfg, key) is None, key
         elif default == "required":
             with pytest.raises(ConfigError) as info:
-                parse_config(edited(MINIMAL, {key.replace("[]", "[0]"): DELETE}))
+                parse_config(edited(base, {key.replace("[]", "[0]"): DELETE}))
             assert keys_of(info.value.problems) == [key.replace("[]", "[0]")]
         elif default == "see below":
             assert isinstance(_value_at(cfg, key), BaseModel), key
@@ -204,6 +215,9 @@ def test_defaults_are_as_documented() -> None:
 
 def test_derived_defaults() -> None:
     cfg = parse_config(MINIMAL)
+    assert {e.model for e in cfg.engines} == {cfg.model}  # an engine without one: the default
+    own = edited(MINIMAL, {"engines[0].model": "other"})
+    assert parse_config(own).engines[0].model == "other"
     assert cfg.serving.migrations == 0  # single_attempt never migrates
     bounded = parse_config({**MINIMAL, "serving": {"policy": "bounded"}})
     assert bounded.serving.migrations == 2

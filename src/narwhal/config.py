@@ -202,6 +202,8 @@ class EngineSection(_Section):
     control_connections: PositiveInt = 8
     health_timeout_s: PositiveFloat = 1.0
     probe_timeout_s: PositiveFloat = 5.0
+    # The CA bundle that `https://` engines' certificates must chain to (unset: the system's).
+    ca_file: str | None = Field(default=None, min_length=1)
 
 
 class ControllerConfig(_Section):
@@ -313,6 +315,63 @@ class AdminConfig(_Section):
         if self.token_file is not None:
             return Path(self.token_file).read_text().strip() or None
         return None
+
+
+class TlsConfig(_Section):
+    """HTTPS on `listen` (docs/edge.md): both files, or neither; re-read on reload."""
+
+    cert_file: str | None = Field(default=None, min_length=1)
+    key_file: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _pair(self) -> Self:
+        if (self.cert_file is None) != (self.key_file is None):
+            missing = "key_file" if self.key_file is None else "cert_file"
+            raise ValueError(f"{missing}: give cert_file and key_file together")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+class AuthConfig(_Section):
+    """Client keys for `/v1/*` (docs/edge.md): either source, or both."""
+
+    api_keys_env: str | None = Field(default=None, min_length=1)
+    api_keys_file: str | None = Field(default=None, min_length=1)
+    protect_metrics: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.api_keys_env is not None or self.api_keys_file is not None
+
+    @model_validator(mode="after")
+    def _sources(self) -> Self:
+        if self.protect_metrics and not self.enabled:
+            raise ValueError("protect_metrics: needs api_keys_env or api_keys_file")
+        return self
+
+
+class LoggingConfig(_Section):
+    # One JSON access-log line per client request: true, false, or `sample:N` (one in N).
+    access: bool | str = False
+
+    @field_validator("access")
+    @classmethod
+    def _access(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str):
+            count = value.removeprefix("sample:")
+            if not value.startswith("sample:") or not count.isdigit() or int(count) < 1:
+                raise ValueError("must be true, false or sample:N with N >= 1")
+        return value
+
+    @property
+    def access_every(self) -> int | None:
+        """Log one request in this many (None: no access log)."""
+        if isinstance(self.access, str):
+            return int(self.access.removeprefix("sample:"))
+        return 1 if self.access else None
 
 
 class AttestationConfig(_Section):
@@ -432,6 +491,9 @@ class Config(_Section):
     standby: StandbyConfig = StandbyConfig()
     admin: AdminConfig = AdminConfig()
     attestation: AttestationConfig = AttestationConfig()
+    logging: LoggingConfig = LoggingConfig()
+    auth: AuthConfig = AuthConfig()
+    tls: TlsConfig = TlsConfig()
 
     @field_validator("engines", mode="before")
     @classmethod

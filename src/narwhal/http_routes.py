@@ -36,6 +36,9 @@ def add_routes(app: web.Application, router: Router) -> None:
         return exchange.response(await dataplane.handle("chat", exchange))
 
     async def models(request: web.Request) -> web.StreamResponse:
+        refused, _ = dataplane.authenticate(request.headers.get("Authorization"))
+        if refused is not None:
+            return AiohttpExchange(request).response(refused)
         return web.json_response(
             models_list(router.fleet.servable_models(router.clock.monotonic()))
         )
@@ -50,6 +53,16 @@ def add_routes(app: web.Application, router: Router) -> None:
         return web.Response(status=503, text=reason)
 
     async def metrics(request: web.Request) -> web.StreamResponse:
+        if router.config.auth.protect_metrics:
+            given = request.headers.get("Authorization")
+            admin = (
+                token is not None
+                and given is not None
+                and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+            )
+            refused, _ = dataplane.authenticate(given)
+            if refused is not None and not admin:
+                return AiohttpExchange(request).response(refused)
         router.ready()
         router.metrics.admitting.set(1 if router.admission.admitting else 0)
         body = router.metrics.render()

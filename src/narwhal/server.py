@@ -38,6 +38,7 @@ from narwhal.control.readmission import Readmission
 from narwhal.control.reload import reload_changes
 from narwhal.control.stages import SmallStages
 from narwhal.control.suspects import SuspectProbes
+from narwhal.dataplane.auth import key_problems
 from narwhal.dataplane.proxy import DataPlane
 from narwhal.dataplane.request_ids import numbered_ids, request_prefix
 from narwhal.engine.failures import FailureClass
@@ -67,6 +68,8 @@ from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
 from narwhal.telemetry.metrics import Metrics, SummedData
 from narwhal.telemetry.timeline import Timeline
+from narwhal.tls import engine_context, server_context
+from narwhal.tls import load as tls_load
 
 log = logging.getLogger("narwhal.router")
 
@@ -106,8 +109,11 @@ class Router:
         watch_fleet(self.fleet, self.metrics, self.clock)
         self.admission = Admission()
         self.client = EngineClient(
-            config.serving.max_connections, config.engine.control_connections
+            config.serving.max_connections,
+            config.engine.control_connections,
+            ssl_context=engine_context(config.engine.ca_file),
         )
+        self._tls = server_context(config.tls)  # HTTPS on `listen`, re-read on reload
         self.adapters = Adapters(self.client, self.clock, config.engine.probe_timeout_s)
         self.stats = IntervalStats(
             config.controller.interval_s,
@@ -333,6 +339,10 @@ class Router:
             if self.config_path is None:
                 raise ConfigError(["(file): this router was not started from a config file"])
             new = await asyncio.to_thread(load_config, self.config_path)
+            problems = await asyncio.to_thread(key_problems, new.auth)
+            if problems:
+                raise ConfigError(problems)
+            await asyncio.to_thread(server_context, new.tls)  # the files load
             changes = reload_changes(self.config, new)
             engines = None
             if "engines" in changes.applied and self.is_active():
@@ -358,6 +368,8 @@ class Router:
             log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
 
     def _reconfigure(self, config: Config) -> None:
+        if self._tls is not None and config.tls.enabled:
+            tls_load(self._tls, config.tls)  # a rotated certificate, for new connections
         self.config = config
         self.membership.model = config.model
         self.dataplane.reconfigure(config)
@@ -493,7 +505,7 @@ class Router:
         runtime: Path | None = None
         try:
             if self.workers == 1:
-                site = web.TCPSite(runner, host, port, reuse_address=True)
+                site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=self._tls)
                 await site.start()
                 bound = runner.addresses[0][1] if runner.addresses else port
             else:

@@ -509,7 +509,7 @@ async def test_a_streamed_answer_is_chunked_event_stream_and_keeps_the_connectio
     events = [b"data: 1\n\n", b"", b'data: {"x": "\\r\\n"}\n\n', b"data: [DONE]\n\n"]
 
     async def stream(request: ServerRequest) -> None:
-        await request.start_stream()
+        await request.start_stream({})
         for event in events:
             await request.send(event)
         await request.end()
@@ -566,7 +566,7 @@ async def test_a_stream_to_a_client_that_does_not_read_waits_then_delivers_every
 
     async def flood(request: ServerRequest) -> None:
         nonlocal sent
-        await request.start_stream()
+        await request.start_stream({})
         for i in range(blocks):
             await request.send(block(i))
             sent += 1
@@ -800,7 +800,7 @@ async def test_cut_off_drops_the_connection_at_once() -> None:
     flags: list[str] = []
 
     async def stream(request: ServerRequest) -> None:
-        await request.start_stream()
+        await request.start_stream({})
         await request.send(b"data: 1\n\n")
         request.cut_off()
         flags.append("cut")

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from narwhal.config import Config, ConfigError, load_config, parse_config
+from narwhal.dataplane.auth import key_problems
 from narwhal.telemetry.logs import configure as configure_logging
+from narwhal.tls import engine_context, server_context
 
 if TYPE_CHECKING:
     from narwhal.server import Router
@@ -69,6 +71,12 @@ def check_startable(config: Config) -> list[str]:
             "admin: the admin API needs a token to listen on a non-loopback address "
             f"({config.listen_host})"
         )
+    problems += key_problems(config.auth)
+    try:
+        server_context(config.tls)
+        engine_context(config.engine.ca_file)
+    except ConfigError as exc:
+        problems += exc.problems
     return problems
 
 

@@ -22,10 +22,10 @@ _HOT = {
     "serving": frozenset(
         {"workers", "max_connections", "queue_limit", "max_body_bytes", "token_count_cache_size"}
     ),
-    "engine": frozenset({"control_connections"}),
+    "engine": frozenset({"control_connections", "ca_file"}),
     "recovery": frozenset(),
 }
-_HOT_TOP = frozenset({"model", "engines"})
+_HOT_TOP = frozenset({"model", "engines", "logging", "auth", "tls"})
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,9 @@ def reload_changes(running: Config, new: Config) -> ReloadChanges:
         old_value, new_value = getattr(running, key), getattr(new, key)
         if old_value == new_value:
             continue
-        if key in _HOT_TOP:
+        if key == "tls" and running.tls.enabled != new.tls.enabled:
+            restart.append(key)  # HTTPS on or off: the listener is built at start
+        elif key in _HOT_TOP:
             applied.append(key)
             update[key] = new_value
         elif key in _HOT and isinstance(old_value, BaseModel):

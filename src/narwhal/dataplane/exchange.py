@@ -15,6 +15,8 @@ from typing import Protocol
 
 from aiohttp import web
 
+from narwhal.dataplane.record import RequestRecord
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -45,16 +47,22 @@ class Exchange(Protocol):
     # The outcome of a stream whose `[DONE]` reached the client: whatever happens after (the
     # client leaving before the response is finalised), the request was served.
     settled_outcome: str | None
+    # What the data plane learns about the request as it runs (its id, engines, timings).
+    record: RequestRecord | None
 
     @property
     def content_length(self) -> int | None: ...
+
+    def header(self, name: str) -> str | None:
+        """A request header (`name` in lower case), or None."""
+        ...
 
     async def read_some(self) -> bytes:
         """The next piece of the body; b"" at its end."""
         ...
 
-    async def start_stream(self) -> None:
-        """Send the head of a 200 `text/event-stream` answer."""
+    async def start_stream(self, headers: Mapping[str, str]) -> None:
+        """Send the head of a 200 `text/event-stream` answer, with `headers` too."""
         ...
 
     async def send(self, data: bytes) -> None:
@@ -78,16 +86,20 @@ class AiohttpExchange:
         self._request = request
         self._stream: web.StreamResponse | None = None
         self.settled_outcome: str | None = None
+        self.record: RequestRecord | None = None
 
     @property
     def content_length(self) -> int | None:
         return self._request.content_length
 
+    def header(self, name: str) -> str | None:
+        return self._request.headers.get(name)
+
     async def read_some(self) -> bytes:
         return await self._request.content.readany()
 
-    async def start_stream(self) -> None:
-        self._stream = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    async def start_stream(self, headers: Mapping[str, str]) -> None:
+        self._stream = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
         await self._stream.prepare(self._request)
 
     async def send(self, data: bytes) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -19,11 +19,14 @@ import orjson
 
 from narwhal.clock import Clock
 from narwhal.config import Config, EngineConfig, Role
+from narwhal.dataplane.access_log import AccessLog
+from narwhal.dataplane.auth import ApiKeys, KeysUnreadable, load_keys
 from narwhal.dataplane.errors import error_answer, error_body, sse_error_event
 from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
 from narwhal.dataplane.migration import Continuation, Splice, migratable
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
+from narwhal.dataplane.record import TRACE_HEADERS, RequestRecord, client_request_id
 from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
 from narwhal.dataplane.sse import SseScanner
 from narwhal.dataplane.tokens import TokenBudget
@@ -112,6 +115,7 @@ class _Attempt:
     `splice` follows a stream that may be migrated, across attempts."""
 
     request_id: str
+    trace: Mapping[str, str]  # the client's trace context, for both legs
     started: bool = False
     handoff_failed: bool = False  # the decode refused the handoff or recomputed the prompt
     splice: Splice | None = None
@@ -161,6 +165,10 @@ class DataPlane:
         # their read timers.
         self._movable: dict[str, dict[_Attempt, asyncio.Timeout]] = {}
         self._migration_limit = config.serving.migrations
+        every = config.logging.access_every
+        self._access = AccessLog(every) if every is not None else None
+        self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
+        self._by_key = Children(metrics.key_requests)
         self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
 
     def reconfigure(self, config: Config) -> None:
@@ -169,6 +177,30 @@ class DataPlane:
         self._cfg = config
         self._serving = config.serving
         self._migration_limit = config.serving.migrations
+        every = config.logging.access_every
+        self._access = AccessLog(every) if every is not None else None
+        try:
+            self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
+        except KeysUnreadable as exc:  # gone since the control process checked it
+            log.error("reload: keeping the API keys in use: %s", exc)
+
+    def authenticate(self, authorization: str | None) -> tuple[Answer | None, str | None]:
+        """(None, the key's label) when `/v1/*` may be served (auth off: no label; a known
+        key: counted under its label); else the 401 to send."""
+        if self._keys is None:
+            return None, None
+        label = self._keys.label(authorization)
+        if label is not None:
+            self._by_key(label).inc()
+            return None, label
+        message = (
+            "Incorrect API key provided."
+            if authorization
+            else "No API key provided: send `Authorization: Bearer <key>`."
+        )
+        body = error_body(message, "invalid_request_error", "invalid_api_key")
+        headers = {"WWW-Authenticate": "Bearer"}
+        return Answer(401, body, "application/json", "unauthorized", headers), None
 
     def _key(self, config: EngineConfig) -> str | None:
         """The engine's API key (read once per config: `api_key_env` reads the environment)."""
@@ -191,13 +223,23 @@ class DataPlane:
 
     # ---------------------------------------------------------------- entry point
     async def handle(self, endpoint: Endpoint, exchange: Exchange) -> Result:
-        """Serve one request; the server sends an `Answer` once this returns."""
+        """Serve one request; the server sends an `Answer` once this returns. Every answer
+        carries the request's id (`X-Request-Id`)."""
         start = self._clock.monotonic()
+        record = exchange.record = self._record(endpoint, exchange)
         outcome = "ok"
         try:
-            result = await self._handle(endpoint, exchange, start)
+            refused, record.key = self.authenticate(exchange.header("authorization"))
+            result = refused or await self._handle(endpoint, exchange, start)
             outcome = result.outcome
             await self._evidence.settled()  # what this request taught is applied first
+            if isinstance(result, Answer):
+                headers = {**result.headers} if result.headers else {}
+                headers["X-Request-Id"] = record.request_id
+                result = replace(result, headers=headers)
+                record.status = result.status
+            else:
+                record.status = 200
             return result
         except asyncio.CancelledError:
             # A client that leaves after its stream's `[DONE]` was served: the outcome stands.
@@ -208,6 +250,21 @@ class DataPlane:
             self._requests(endpoint, outcome).inc()
             self._latency(endpoint).observe(elapsed)
             self._timeline.request(outcome, elapsed)
+            if self._access is not None:
+                record.outcome, record.duration_s = outcome, elapsed
+                self._access.log(record)
+
+    def _record(self, endpoint: Endpoint, exchange: Exchange) -> RequestRecord:
+        """The request's id (the client's `X-Request-Id` when usable) and trace context."""
+        client = client_request_id(exchange.header("x-request-id"))
+        request_id = client or self._new_id()
+        base = request_id if client is None else f"{client}-{self._new_id()}"
+        record = RequestRecord(request_id, endpoint, base)
+        for name in TRACE_HEADERS:
+            value = exchange.header(name)
+            if value is not None:
+                record.trace[name] = value
+        return record
 
     async def _handle(self, endpoint: Endpoint, exchange: Exchange, start: float) -> Result:
         # The body first: a request that is wrong whatever the router's state gets its 4xx
@@ -215,6 +272,8 @@ class DataPlane:
         try:
             raw = await self._read_body(exchange)
             req = parse_request(endpoint, raw, self._cfg.model)
+            if exchange.record is not None:
+                exchange.record.model = req.model
             if req.model is not None and not self._fleet.knows_model(req.model):
                 raise BadRequest(
                     404,
@@ -280,6 +339,8 @@ class DataPlane:
             self._migration_limit > 0 and req.stream and migratable(req.endpoint, req.body)
         )
         client_req = req
+        record = exchange.record
+        assert record is not None  # `handle` made it
         for number in range(attempts):
             if number and self._clock.monotonic() >= deadline:
                 break
@@ -289,7 +350,7 @@ class DataPlane:
                     client_req.endpoint, client_req.body, client_req.include_usage, self._ids_by
                 )
                 req = replace(client_req, body=splice.first_body())
-            attempt = _Attempt(self._new_id(), splice=splice)
+            attempt = _Attempt(record.next_attempt_id(), record.trace, splice=splice)
             try:
                 if number == 0:
                     await self._check_tokens(req, deadline, attempt)
@@ -343,12 +404,16 @@ class DataPlane:
                 break
             splice.migrations += 1
             self._migrations_by(cause, leg.kind).inc()
+            splice.start_leg(leg)
+            record = exchange.record
+            assert record is not None
+            record.migrations = splice.migrations
             log.info(
                 "migrating a stream after %d tokens (%s, %s, migration %d)",
                 splice.delivered, cause, leg.kind, splice.migrations,
+                extra={"request_id": record.request_id},
             )  # fmt: skip
-            splice.start_leg(leg)
-            attempt = _Attempt(self._new_id(), splice=splice)
+            attempt = _Attempt(record.next_attempt_id(), record.trace, splice=splice)
             try:
                 model = splice.body.get("model", self._cfg.model)
                 continued = _continued(leg, model)
@@ -412,7 +477,7 @@ class DataPlane:
                     PoolKind.DATA,
                     engine.config.url + "/tokenize",
                     orjson.dumps(body),
-                    engine_headers(self._key(engine.config), attempt.request_id),
+                    engine_headers(self._key(engine.config), attempt.request_id, attempt.trace),
                     max(
                         0.0,
                         min(
@@ -429,6 +494,13 @@ class DataPlane:
 
         result = await self._tokens.check(req, min(limits) if limits else None, count)
         self._token_checks(result.verdict.value).inc()
+
+    @staticmethod
+    def _placed_on(exchange: Exchange, prefill: str | None, decode: str | None) -> None:
+        """The engines of the request's latest attempt, for its access-log line."""
+        record = exchange.record
+        if record is not None:
+            record.prefill, record.decode = prefill, decode
 
     # ---------------------------------------------------------------- one attempt
     @contextmanager
@@ -494,8 +566,11 @@ class DataPlane:
         roles = self._fleet.needed_roles(model)
         if roles == (Role.BOTH,):
             with self._placed(Role.BOTH, tried, model) as engine:
+                self._placed_on(exchange, None, engine.id)
                 body = self._adapters(engine.config).unified_body(req.body)
-                headers = engine_headers(self._key(engine.config), attempt.request_id)
+                headers = engine_headers(
+                    self._key(engine.config), attempt.request_id, attempt.trace
+                )
                 return await self._final_leg(
                     req, exchange, deadline, attempt, engine, body, headers, "unified"
                 )
@@ -509,11 +584,13 @@ class DataPlane:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
         with self._placed(Role.PREFILL, tried, model) as prefill:
+            self._placed_on(exchange, prefill.id, None)
             handoff = await self._prefill_leg(req, deadline, attempt, prefill)
         if isinstance(handoff, Answer):
             return await self._finished_in_prefill(exchange, deadline, attempt, handoff)
         try:
             with self._placed(Role.DECODE, tried, model) as decode:
+                self._placed_on(exchange, prefill.id, decode.id)
                 return await self._decode_leg(
                     req, exchange, deadline, attempt, prefill, decode, handoff
                 )
@@ -564,7 +641,7 @@ class DataPlane:
                 engine.config,
                 req.endpoint,
                 req.body,
-                engine_headers(self._key(engine.config), attempt.request_id),
+                engine_headers(self._key(engine.config), attempt.request_id, attempt.trace),
                 limit,
             )
         except EngineFailure as exc:
@@ -606,7 +683,7 @@ class DataPlane:
         if remaining <= 0:
             raise DeadlineExceeded()
         adapter = self._adapters(engine.config)
-        headers = engine_headers(self._key(engine.config), attempt.request_id)
+        headers = engine_headers(self._key(engine.config), attempt.request_id, attempt.trace)
         limit = min(self._serving.first_token_timeout_s, remaining)
         async with AsyncExitStack() as stack:
             try:
@@ -850,11 +927,15 @@ class DataPlane:
                 self._metrics.migration_gap.observe(now - splice.interrupted_s)
                 splice.interrupted_s = None
             return
-        await exchange.start_stream()
+        record = exchange.record
+        await exchange.start_stream({"X-Request-Id": record.request_id} if record else {})
         if splice is not None:
             splice.opened = True
         arrived = deadline - self._serving.request_timeout_s
-        self._metrics.ttft.observe(self._clock.monotonic() - arrived)
+        ttft = self._clock.monotonic() - arrived
+        self._metrics.ttft.observe(ttft)
+        if record is not None:
+            record.ttft_s = ttft
 
     async def _end_stream(
         self,
@@ -877,6 +958,8 @@ class DataPlane:
 
     async def _error_event(self, exchange: Exchange, failure: Exception, until: float) -> Result:
         status, message = _status_for(failure)
+        if exchange.record is not None:
+            message = f"{message} (request {exchange.record.request_id})"
         await self._evidence.settled()
         await _finish(exchange, sse_error_event(message, "upstream_error", status), until)
         return Streamed("upstream_error_midstream")

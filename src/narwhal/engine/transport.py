@@ -288,10 +288,16 @@ async def control_get(client: EngineClient, engine: _Engine, path: str, timeout_
     return await client.get(PoolKind.CONTROL, engine.url + path, timeout_s, headers=headers)
 
 
-def engine_headers(api_key: str | None, request_id: str | None) -> dict[str, Any]:
+def engine_headers(
+    api_key: str | None, request_id: str | None, trace: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """A leg's headers: the engine's own key (never the client's), the attempt's id, and the
+    client's trace context (`traceparent`, `tracestate`) unchanged."""
     headers: dict[str, Any] = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     if request_id:
         headers["X-Request-Id"] = request_id
+    if trace:
+        headers.update(trace)
     return headers

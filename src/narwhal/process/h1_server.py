@@ -27,12 +27,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
+from ssl import SSLContext
 from typing import cast
 
 import httptools
 
 from narwhal.dataplane.errors import error_body
 from narwhal.dataplane.exchange import SSE_HEADERS, Answer
+from narwhal.dataplane.record import RequestRecord
 
 log = logging.getLogger("narwhal.worker.http")
 
@@ -87,6 +89,7 @@ class ServerRequest:
         self.content_length: int | None = None
         self.keep_alive = True
         self.settled_outcome: str | None = None
+        self.record: RequestRecord | None = None
         self._pieces: deque[bytes] = deque()
         self._buffered = 0
         self.body_complete = False
@@ -95,6 +98,9 @@ class ServerRequest:
         self.finished = False  # the whole answer went out
         self.discarding = False
         self._chunked = False
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name)
 
     @property
     def path_qs(self) -> str:
@@ -185,11 +191,14 @@ class ServerRequest:
         draining, nor after a body that has not all arrived (no clean boundary)."""
         return self.keep_alive and self.body_complete and not self._connection.server.draining
 
-    async def start_stream(self) -> None:
+    async def start_stream(self, headers: Mapping[str, str]) -> None:
         assert not self.answered, "answered twice"
         self.answered = True
         self._chunked = True
-        head = self._head(200, SSE_HEADERS["Content-Type"].encode(), b"Cache-Control: no-cache\r\n")
+        extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
+        head = self._head(
+            200, SSE_HEADERS["Content-Type"].encode(), b"Cache-Control: no-cache\r\n" + extra
+        )
         await self._connection.send(head + b"Transfer-Encoding: chunked\r\n\r\n")
 
     async def send(self, data: bytes) -> None:
@@ -502,7 +511,8 @@ class H1Server:
             return
         await handler(request)
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> None:
+        """Listen (HTTPS with `ssl`: the handshake is asyncio's, before any request)."""
         self._server = await self.loop.create_server(
             lambda: ServerConnection(self),
             host,
@@ -510,6 +520,7 @@ class H1Server:
             reuse_address=True,
             reuse_port=True,
             backlog=BACKLOG,
+            ssl=ssl,
         )
 
     async def drain(self, grace_s: float) -> None:

@@ -30,7 +30,7 @@ import orjson
 import uvloop
 
 from narwhal.clock import SystemClock
-from narwhal.config import Config, EngineConfig, parse_config
+from narwhal.config import Config, ConfigError, EngineConfig, parse_config
 from narwhal.dataplane.errors import error_answer, error_body
 from narwhal.dataplane.exchange import Answer
 from narwhal.dataplane.models import models_list
@@ -58,6 +58,8 @@ from narwhal.telemetry import logs
 from narwhal.telemetry.loop_lag import watch_loop_lag
 from narwhal.telemetry.metrics import DataMetrics
 from narwhal.telemetry.timeline import Timeline
+from narwhal.tls import engine_context, server_context
+from narwhal.tls import load as tls_load
 
 log = logging.getLogger("narwhal.worker")
 
@@ -94,7 +96,13 @@ class Worker:
         self.stats = IntervalStats(float("inf"), self.clock.monotonic())
         self.timeline = Timeline()
         limit = config.serving.max_connections
-        self.client = EngineClient(limit, 1, data_sockets=SharedSockets(self.table, index, limit))
+        self.client = EngineClient(
+            limit,
+            1,
+            ssl_context=engine_context(config.engine.ca_file),
+            data_sockets=SharedSockets(self.table, index, limit),
+        )
+        self._tls = server_context(config.tls)
         budget = SharedBudget(self.table, index, limit)
         self.pool = Pool("data", limit, on_change=self._mirror_waiting, shared=budget)
         self.metrics = DataMetrics()  # built after `_use_multiprocess_metrics`
@@ -153,6 +161,11 @@ class Worker:
         elif kind == "config":  # reloaded (control/reload.py)
             self.config = self._own(frame["config"])
             self.dataplane.reconfigure(self.config)
+            if self._tls is not None and self.config.tls.enabled:
+                try:
+                    tls_load(self._tls, self.config.tls)
+                except ConfigError as exc:  # changed since the control process loaded it
+                    log.error("reload: keeping the TLS certificate in use: %s", exc)
         elif kind == "move":
             self.dataplane.move_streams(frame["engine"])
         elif kind == "drain":
@@ -195,6 +208,10 @@ class Worker:
                 request.respond(503, reason.encode(), "text/plain", worker)
 
         async def models(request: ServerRequest) -> None:
+            refused, _ = dataplane.authenticate(request.header("authorization"))
+            if refused is not None:
+                request.answer(refused)
+                return
             served = self.fleet.servable_models(self.clock.monotonic())
             request.respond(200, orjson.dumps(models_list(served)), "application/json")
 
@@ -274,7 +291,7 @@ class Worker:
         await self.client.start()
         server = self.build_server()
         try:
-            await server.start(host, port)
+            await server.start(host, port, self._tls)
             self.channel.send("ready", pid=os.getpid())
             async with asyncio.TaskGroup() as tg:
                 lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag))

@@ -52,3 +52,10 @@ def configure(level: str, fmt: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # The access log (`logging.access`): bare JSON lines, whatever the level and format.
+    access = logging.StreamHandler(sys.stderr)
+    access.setFormatter(logging.Formatter("%(message)s"))
+    access_log = logging.getLogger("narwhal.access")
+    access_log.handlers[:] = [access]
+    access_log.propagate = False
+    access_log.setLevel(logging.INFO)

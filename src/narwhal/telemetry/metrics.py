@@ -8,7 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -93,6 +101,13 @@ class DataMetrics:
         self.retries = Counter(
             "narwhal_retries", "Bounded-policy retries by reason", ["reason"], registry=r
         )
+        self.key_requests = Counter(
+            "narwhal_client_key_requests",
+            "Client requests that passed authentication, by the key's label (the first 12 hex "
+            "digits of its SHA-256; auth on)",
+            ["key"],
+            registry=r,
+        )
         self.migrations = Counter(
             "narwhal_migrations",
             "Streams continued on a fresh pair after their decode failed mid-stream or was "
@@ -167,6 +182,11 @@ class Metrics:
         self.loop_lag = d.loop_lag
         self.render_data: Callable[[], bytes] = lambda: generate_latest(self.data.registry)
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # The standard collectors: this process's CPU, memory, file descriptors and start
+        # time (`process_*`), and the Python platform (`python_info`). With data-plane
+        # workers these describe the control process only.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.failures = Counter(
             "narwhal_engine_failures",
             "Engine failures by engine and class",
