@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,28 +28,10 @@ from tests.e2e.test_readmission_support import (
     free_port,
     hold_names,
 )
+from tests.support.cli import narwhal
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter, router_config
 from tests.support.sim_process import SimFactory, SimProcess
-
-
-@dataclass
-class Cli:
-    code: int
-    out: str
-    err: str
-
-
-async def narwhal(*args: str, env: dict[str, str] | None = None) -> Cli:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "narwhal.cli.operator", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**clean, **(env or {})},
-    )  # fmt: skip
-    async with asyncio.timeout(60):
-        out, err = await proc.communicate()
-    return Cli(proc.returncode or 0, out.decode(), err.decode())
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.support.cli import narwhal
 from tests.support.etcd import free_port
 from tests.support.poll import eventually, until_ready
 
@@ -98,13 +99,9 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
         ]
         assert [c[:2] for c in commands] == [["engines", "add"], ["engines", "remove"]]
         for command, last in zip(commands, ("d2: in service", "d2: removed"), strict=True):
-            cli = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "narwhal.cli.operator", *command,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )  # fmt: skip
-            out, err = await asyncio.wait_for(cli.communicate(), 30)
-            assert cli.returncode == 0, err
-            assert out.decode().splitlines()[-1] == last
+            cli = await narwhal(*command)
+            assert cli.code == 0, cli.err
+            assert cli.out.splitlines()[-1] == last
 
         proc.send_signal(signal.SIGINT)
         status = await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)

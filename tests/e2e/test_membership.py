@@ -9,7 +9,6 @@ requests settled. Under steady load through every change, no request fails.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.support.cli import narwhal
 from tests.support.http import metric, metric_sum
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
@@ -223,36 +223,24 @@ async def test_the_same_url_twice_and_unknown_or_bad_removals_are_refused(
     assert set(await _engines(http, rr)) == {"p0", "d0"}
 
 
-async def _cli(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "narwhal.cli.operator", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 async def test_the_cli_follows_an_addition_and_a_removal_until_they_took_effect(
     sims: list[SimProcess], start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     rr = await _router(start_router, sims)
-    code, out, err = await _cli(
-        "engines", "add", "d1", sims[2].url, "--role", "decode", "--url", rr.url
-    )
-    assert code == 0, err
-    lines = out.splitlines()
+    cli = await narwhal("engines", "add", "d1", sims[2].url, "--role", "decode", "--url", rr.url)
+    assert cli.code == 0, cli.err
+    lines = cli.out.splitlines()
     assert lines[0] == "d1: added (unverified)"
     assert lines[-1] == "d1: in service"
     assert (await _engines(http, rr))["d1"]["eligible"]
 
-    code, out, err = await _cli("engines", "remove", "d1", "--url", rr.url)
-    assert code == 0, err
-    assert out.splitlines()[-1] == "d1: removed"
+    cli = await narwhal("engines", "remove", "d1", "--url", rr.url)
+    assert cli.code == 0, cli.err
+    assert cli.out.splitlines()[-1] == "d1: removed"
     assert "d1" not in await _engines(http, rr)
 
-    code, out, err = await _cli("engines", "remove", "d1", "--url", rr.url)
-    assert code == 1 and "404" in err
+    cli = await narwhal("engines", "remove", "d1", "--url", rr.url)
+    assert cli.code == 1 and "404" in cli.err
     assert await metric(http, rr.url, "narwhal_membership_changes_total", change="added") == 1
 
 

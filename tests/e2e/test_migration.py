@@ -11,8 +11,6 @@ one `id`, `created` and `model`.
 
 from __future__ import annotations
 
-import asyncio
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ import openai
 import orjson
 import pytest
 
+from tests.support.cli import narwhal
 from tests.support.http import metric, metric_sum
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
@@ -401,16 +400,6 @@ async def test_a_finished_generation_whose_end_was_lost_is_ended_without_migrati
 # ------------------------------------------------------------------ planned maintenance
 
 
-async def _narwhal_cli(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "narwhal.cli.operator", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 async def test_maintenance_with_migrate_moves_a_stream_off_its_decode_at_once(
     endpoint: str, fleet: Fleet, start_router: StartRouter, http: aiohttp.ClientSession
@@ -427,11 +416,10 @@ async def test_maintenance_with_migrate_moves_a_stream_off_its_decode_at_once(
     async def maintenance(n: int) -> None:
         if n == 5:
             engine = f"d{fleet.decodes.index(fleet.serving(prompt))}"
-            code, out, err = await _narwhal_cli("--url", rr.url, "maintenance", engine, "--migrate")
-            assert code == 0, err
-            assert (
-                out.strip() == f"{engine}: planned_maintenance, its streams moving to other engines"
-            )
+            cli = await narwhal("--url", rr.url, "maintenance", engine, "--migrate")
+            assert cli.code == 0, cli.err
+            moving = f"{engine}: planned_maintenance, its streams moving to other engines"
+            assert cli.out.strip() == moving
             moved.append(engine)
 
     run = await _stream(rr.url, endpoint, prompt, maintenance)

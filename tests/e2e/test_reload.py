@@ -5,10 +5,8 @@ A file that does not validate changes nothing, and the answer names the key."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.support.cli import narwhal
 from tests.support.http import metric
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter, router_config
@@ -169,13 +168,9 @@ async def test_sighup_and_the_cli_reload_the_file(
     config["engines"] = _engines(sims, "p0", "d1")
     config["serving"] = {**config["serving"], "max_attempts": 3}
     _write(path, config)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "narwhal.cli.operator", "reload", "--url", rr.url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err
-    assert out.decode().splitlines() == [
+    cli = await narwhal("reload", "--url", rr.url)
+    assert cli.code == 0, cli.err
+    assert cli.out.splitlines() == [
         "reloaded",
         "applied: engines, serving.max_attempts",
         "engines: removed d0",
