@@ -206,3 +206,33 @@ async def _complete_fails_without_decode(http: aiohttp.ClientSession, rr: Runnin
         assert resp.status == 503
     async with http.get(rr.url + "/ready") as resp:
         assert resp.status == 503 and "decode" in await resp.text()
+
+
+async def test_resume_judges_the_engine_set_with_the_first_rounds_answer(
+    sims: list[SimProcess], start_router: StartRouter, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """With discovery, the configured fleet is the config's engines and the first round's
+    answer: a restart with `--resume` over the same file applies the saved handoff."""
+    path = tmp_path / "engines.yaml"
+    path.write_text(yaml.safe_dump([{"id": "fa", "url": sims[1].url, "role": "decode"}]))
+    first = await _router(start_router, sims[0], _discovery(file=str(path)))
+    await _until(http, first, {"p0": sims[0].url, "fa": sims[1].url})
+    async with http.post(first.url + "/admin/engines/fa/drain") as resp:
+        assert resp.status == 200
+
+    async def saved() -> bool:
+        doc = first.router.handoff.last_document
+        return doc is not None and bool(doc["engines"]["fa"]["holds"])
+
+    await eventually(saved, timeout_s=5, what="the drain in the handoff")
+    await first.stop()
+    second = await start_router(
+        [{"id": "p0", "url": sims[0].url, "role": "prefill"}],
+        discovery=_discovery(file=str(path)),
+        controller={"monitor_interval_s": 0.1},
+        router_kwargs={"resume": True},
+    )
+    verdict = second.router.resume_verdict
+    assert verdict is not None and verdict.ok, verdict
+    engines = await _engines(http, second)
+    assert engines["fa"]["holds"] == ["operator_drain"]  # carried over by the resume
