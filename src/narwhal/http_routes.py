@@ -35,6 +35,13 @@ def add_routes(app: web.Application, router: Router) -> None:
         exchange = AiohttpExchange(request)
         return exchange.response(await dataplane.handle("chat", exchange))
 
+    def passthrough(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            exchange = AiohttpExchange(request)
+            return exchange.response(await dataplane.passthrough(path, exchange))
+
+        return handle
+
     async def models(request: web.Request) -> web.StreamResponse:
         refused, _ = dataplane.authenticate(request.headers.get("Authorization"))
         if refused is not None:
@@ -189,6 +196,8 @@ def add_routes(app: web.Application, router: Router) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", passthrough("/tokenize"))
+    app.router.add_post("/detokenize", passthrough("/detokenize"))
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -254,6 +254,60 @@ class DataPlane:
                 record.outcome, record.duration_s = outcome, elapsed
                 self._access.log(record)
 
+    async def passthrough(self, path: str, exchange: Exchange) -> Answer:
+        """`/tokenize` and `/detokenize` (vLLM's): sent as they are to one eligible engine of
+        the body's model, least busy first, no PD; its answer is the client's."""
+        name = path.strip("/")
+        start = self._clock.monotonic()
+        answer, _ = self.authenticate(exchange.header("authorization"))
+        if answer is None:
+            answer = await self._pass(path, exchange)
+        self._requests(name, answer.outcome).inc()
+        self._latency(name).observe(self._clock.monotonic() - start)
+        return answer
+
+    async def _pass(self, path: str, exchange: Exchange) -> Answer:
+        try:
+            raw = await self._read_body(exchange)
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
+            model = body.get("model", self._cfg.model) if isinstance(body, dict) else None
+            if not isinstance(model, str):
+                raise BadRequest(400, "request body must be an object with a string 'model'")
+            if not self._fleet.knows_model(model):
+                raise BadRequest(
+                    404, f"The model `{model}` does not exist.", param="model",
+                    type_="NotFoundError", code="model_not_found",
+                )  # fmt: skip
+        except BadRequest as exc:
+            return _bad_request(exc)
+        now = self._clock.monotonic()
+        roles = self._fleet.needed_roles(model)
+        candidates = [c for r in roles for c in self._fleet.candidates(r, now, model)]
+        engine_id = least_in_flight(candidates, 0)
+        if engine_id is None:
+            return error_answer(
+                503, f"no capacity: {model}", "service_unavailable", "no_capacity", retry_after_s=1
+            )
+        engine = self._fleet.get(engine_id).config
+        headers = engine_headers(self._key(engine), self._new_id())
+        try:
+            reply = await self._client.post(
+                PoolKind.DATA, engine.url + path, raw, headers, self._serving.first_token_timeout_s
+            )
+        except EngineFailure as exc:
+            return error_answer(502, f"upstream failure: {exc}", "upstream_error", "upstream_error")
+        outcome = (
+            "ok"
+            if reply.status < 400
+            else "client_error"
+            if reply.status < 500
+            else "upstream_error"
+        )
+        return Answer(reply.status, reply.body, reply.content_type, outcome)
+
     def _record(self, endpoint: Endpoint, exchange: Exchange) -> RequestRecord:
         """The request's id (the client's `X-Request-Id` when usable) and trace context."""
         client = client_request_id(exchange.header("x-request-id"))

@@ -129,6 +129,17 @@ def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientR
     n = body.get("n")
     if n is not None and n != 1:
         raise BadRequest(400, "only n=1 is supported", param="n")
+    # Prompt logprobs are the prefill's, and a disaggregated decode does not compute them.
+    if body.get("prompt_logprobs") is not None:
+        raise BadRequest(
+            400, "prompt_logprobs is not supported with disaggregated serving",
+            param="prompt_logprobs",
+        )  # fmt: skip
+    if endpoint == "completions" and body.get("echo") and body.get("logprobs") is not None:
+        raise BadRequest(
+            400, "echo with logprobs (prompt logprobs) is not supported with disaggregated "
+            "serving", param="echo",
+        )  # fmt: skip
     max_tokens = _optional_positive_int(body, "max_tokens")
     prompt_text: str | None
     prompt_count: int | None = None

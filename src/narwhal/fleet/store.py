@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from narwhal.clock import Clock
 from narwhal.config import EngineConfig, Role
@@ -26,6 +27,15 @@ Observer = Callable[[EngineState, EngineState, Event, Step], None]
 """Told of every event that changed something: (before, after, event, step)."""
 MembershipObserver = Callable[[str, bool], None]
 """Told of every member that joined (True) or was forgotten (False): (engine id, present)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """A model `/v1/models` lists."""
+
+    id: str
+    created: int  # the earliest start of its engines' processes (0: none known)
+    max_model_len: int | None
 
 
 class Fleet:
@@ -213,11 +223,21 @@ class Fleet:
         """Whether any member serves `model` (its own, or an adapter it reported)."""
         return any(e.serves_model(model) for e in self._engines.values())
 
-    def servable_models(self, now: float) -> list[str]:
+    def servable_models(self, now: float) -> list[ModelCard]:
         """Models with capacity now: an eligible engine for every role they need (their
-        LoRA adapters included), for `/v1/models`."""
+        LoRA adapters included), for `/v1/models`: each with the earliest start of its
+        engines' processes (their generation, when known) and the smallest context."""
         names = {e.model for e in self._engines.values() if e.model}
         names |= {m for e in self._engines.values() for m in e.served}
-        return sorted(
-            m for m in names if all(self.candidates(r, now, m) for r in self.needed_roles(m))
-        )
+        cards = []
+        for model in sorted(names):
+            picked = [self.candidates(r, now, model) for r in self.needed_roles(model)]
+            if not all(picked):
+                continue
+            engines = [self._engines[c.id] for cs in picked for c in cs]
+            starts = [e.generation for e in engines if e.generation is not None]
+            limits = [e.max_model_len for e in engines if e.max_model_len is not None]
+            cards.append(
+                ModelCard(model, int(min(starts)) if starts else 0, min(limits, default=None))
+            )
+        return cards

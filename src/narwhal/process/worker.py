@@ -197,6 +197,12 @@ class Worker:
 
             return handle
 
+        def passthrough(path: str) -> Handler:
+            async def handle(request: ServerRequest) -> None:
+                request.answer(await dataplane.passthrough(path, request))
+
+            return handle
+
         async def health(request: ServerRequest) -> None:
             request.respond(200, b"ok", "text/plain", worker)
 
@@ -224,6 +230,8 @@ class Worker:
             "/v1/completions": {"POST": endpoint("completions")},
             "/v1/chat/completions": {"POST": endpoint("chat")},
             "/v1/models": {"GET": models},
+            "/tokenize": {"POST": passthrough("/tokenize")},
+            "/detokenize": {"POST": passthrough("/detokenize")},
             "/health": {"GET": health},
             "/ready": {"GET": ready},
             "/dashboard": {"GET": dashboard},

@@ -64,6 +64,7 @@ class SimApp:
         r.add_get("/v1/models", self.models)
         r.add_get("/metrics", self.metrics)
         r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
         for path in ("/server_info", "/get_server_info"):
@@ -134,6 +135,19 @@ class SimApp:
                 "token_strs": None,
             }
         )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's shape (`{"tokens": [...]}` -> `{"prompt": ...}`). The sim's token ids are
+        hashes of words, so each id comes back as `<id>`."""
+        try:
+            doc = await _json(request)
+            tokens = doc.get("tokens") if isinstance(doc, dict) else None
+            self._check_model(doc.get("model") if isinstance(doc, dict) else None)
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise RequestError(400, "tokens must be a list of integers", "tokens")
+        except RequestError as err:
+            return error_response(err)
+        return json_response({"prompt": " ".join(f"<{t}>" for t in tokens)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, chat=False)
