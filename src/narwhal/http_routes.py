@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -182,6 +183,8 @@ def add_routes(app: web.Application, router: Router) -> None:
         if isinstance(found, web.Response):
             return found
         engine_id, reason, _ = found
+        if "application/x-ndjson" in request.headers.get("Accept", ""):
+            return await readmit_stream(request, engine_id, reason)
         steps = await router.operator.readmit(engine_id, reason)
         router.publish()
         ok = all(s["ok"] for s in steps)
@@ -189,6 +192,46 @@ def add_routes(app: web.Application, router: Router) -> None:
             {"engine": engine_id, "readmitted": ok, "steps": steps}, status=200 if ok else 409
         )
 
+    async def readmit_stream(
+        request: web.Request, engine_id: str, reason: str | None
+    ) -> web.StreamResponse:
+        """The readmission's steps as NDJSON lines as they happen, then the verdict's line
+        (`{"engine", "readmitted", "steps"}`); 200 from the start."""
+        lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+        async def run() -> list[dict[str, Any]]:
+            try:
+                return await router.operator.readmit(engine_id, reason, lines.put_nowait)
+            finally:
+                lines.put_nowait(None)
+
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        task = asyncio.ensure_future(run())
+        try:
+            while (step := await lines.get()) is not None:
+                await resp.write(orjson.dumps(step) + b"\n")
+            steps = await task
+        finally:
+            task.cancel()
+        router.publish()
+        verdict = {"engine": engine_id, "readmitted": all(s["ok"] for s in steps), "steps": steps}
+        await resp.write(orjson.dumps(verdict) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def admin_events(request: web.Request) -> web.StreamResponse:
+        try:
+            after = int(request.query.get("after", "0"))
+        except ValueError:
+            return openai_error(
+                400, "after must be an integer", "invalid_request_error", param="after"
+            )
+        events = router.events.after(after)
+        last = events[-1].seq if events else after
+        return web.json_response({"events": [e.to_json() for e in events], "last": last})
+
+    app.router.add_get("/admin/events", admin_events)
     add_membership_routes(app, router)
     app.router.add_post("/admin/engines/{engine_id}/drain", drain)
     app.router.add_post("/admin/engines/{engine_id}/maintenance", maintenance)

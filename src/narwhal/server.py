@@ -64,6 +64,7 @@ from narwhal.state.handoff import (
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
 from narwhal.state.resume import continue_sequence, resume
+from narwhal.telemetry.events import EventLog
 from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
 from narwhal.telemetry.metrics import Metrics, SummedData
@@ -121,6 +122,8 @@ class Router:
             keep=max(10, config.controller.drift_intervals + 1),
         )
         self.timeline = Timeline()
+        self.events = EventLog(self.clock)  # GET /admin/events, `narwhal events`
+        self._record_events()
         self.evidence = EvidenceRecorder(self.fleet, self.clock, stats=self.stats)
         self.lifecycle = Lifecycle(self.fleet)
         self.engine_tasks = EngineTasks(self._spawn_engine_task)
@@ -246,6 +249,7 @@ class Router:
                 membership=self.membership,
             )
             self.handoff.guard = self.ownership.write_handoff
+            keeper.on_event = lambda what: self.events.add("lease", None, what)
             self.admission.add_check(
                 "lease", lambda: keeper.admission_reason(self.clock.monotonic())
             )
@@ -284,6 +288,19 @@ class Router:
             raise
         self.metrics.handoff_writes.labels("ok").inc()
         self.metrics.handoff_write_seconds.observe(time.perf_counter() - t0)
+
+    def _record_events(self) -> None:
+        """Engine transitions and membership changes into the event timeline."""
+
+        def transition(before: Any, after: Any, event: Any, step: Any) -> None:
+            if step.reason is not None:
+                self.events.add("transition", after.id, step.reason)
+
+        def membership(engine_id: str, present: bool) -> None:
+            self.events.add("membership", engine_id, "added" if present else "removed")
+
+        self.fleet.observe(transition)
+        self.fleet.observe_membership(membership)
 
     async def _drains_stage(self, now: float) -> None:
         """Drains settle; engines removed from the fleet are forgotten once theirs did."""
@@ -352,6 +369,8 @@ class Router:
             raise
         self._reconfigure(changes.config)
         self.metrics.reloads.labels("ok").inc()
+        applied = ", ".join(changes.applied) or "nothing changed"
+        self.events.add("reload", None, f"applied: {applied}")
         log.info(
             "reload: applied %s; restart required for %s; engines %s",
             list(changes.applied) or "nothing",

@@ -31,7 +31,7 @@ def test_a_name_ending_in_bounded_runs_the_bounded_policy(
 
 
 def test_each_twin_runs_right_after_its_single_attempt_target_and_only_from_the_sweep() -> None:
-    workers, twins = plan(("1", "2", "auto"), ("auto", "4"), ab=False)
+    workers, twins, _ = plan(("1", "2", "auto"), ("auto", "4"), ab=False)
     assert list(workers) == ["narwhal-w1", "narwhal-w2", "narwhal-wauto", "narwhal-wauto-bounded"]
     assert workers[bounded_target("auto")] == "auto"
     assert twins == {"narwhal-wauto-bounded": "narwhal-wauto"}
@@ -39,7 +39,7 @@ def test_each_twin_runs_right_after_its_single_attempt_target_and_only_from_the_
 
 
 def test_with_ab_src_the_twin_has_a_base_twin_paired_with_the_base_target() -> None:
-    workers, twins = plan(("auto",), ("auto",), ab=True)
+    workers, twins, _ = plan(("auto",), ("auto",), ab=True)
     assert list(workers) == [
         "narwhal-wauto",
         "narwhal-wauto@base",

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from narwhal.cli import membership
+from narwhal.cli import membership, progress
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -129,13 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=os.environ.get("NARWHAL_ADMIN_TOKEN"), help=TOKEN_HELP)
     common = [_connection_flags()]
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", parents=common, help="engines, monitor and lease at a glance")
+    status = sub.add_parser("status", parents=common, help="engines, monitor and lease at a glance")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--interval-s", type=float, default=2.0, help="with --watch")
+    status.add_argument("--count", type=int, help="with --watch: stop after this many")
+    events = sub.add_parser("events", parents=common, help="the event timeline")
+    events.add_argument("--follow", action="store_true", help="print new events as they come")
     engines = sub.add_parser("engines", parents=common, help="the engines as the router sees them")
     engines.add_argument("--json", action="store_true")
     membership.add_parsers(engines, common)
     for name in ("drain", "maintenance", "readmit"):
         action = sub.add_parser(name, parents=common, help=f"{name} an engine")
         action.add_argument("engine_id")
+        if name == "drain":
+            action.add_argument(
+                "--wait", action="store_true", help="follow it until nothing is in flight"
+            )
+            action.add_argument("--timeout-s", type=float, default=600.0, help="with --wait")
         if name == "maintenance":
             action.add_argument(
                 "--migrate",
@@ -304,6 +314,13 @@ def _run(args: argparse.Namespace) -> int:
         return membership.run(
             args, lambda *request: _call(args.url, args.token, *request), _message
         )
+    if args.command == "status" and args.watch:
+        args.watch = False
+        return progress.watch(lambda: _run(args), args.interval_s, args.count)
+    if args.command == "events":
+        return progress.events(args, lambda *request: _call(args.url, args.token, *request))
+    if args.command == "readmit":
+        return progress.readmit(args, _step_label)
     if args.command in ("status", "engines"):
         status, body = _call(args.url, args.token, "GET", "/admin/engines")
         if status != 200:
@@ -355,16 +372,13 @@ def _run(args: argparse.Namespace) -> int:
         f"/admin/engines/{args.engine_id}/{args.command}",
         {"migrate": True} if migrate else None,
     )
-    if args.command == "readmit" and isinstance(body, dict) and "steps" in body:
-        for step in body["steps"]:
-            print(f"{_step_label(step):4} {step['step']}: {step['reason']}")
-        print("readmitted" if body["readmitted"] else "not readmitted")
-        return 0 if body["readmitted"] else EXIT_ERROR
     if status != 200:
         print(f"narwhal: {status}: {_message(body)}", file=sys.stderr)
         return EXIT_ERROR
     moving = ", its streams moving to other engines" if body.get("migrate") else ""
     print(f"{args.engine_id}: {body.get('hold', 'ok')}{moving}")
+    if getattr(args, "wait", False):
+        return progress.drain_wait(args, lambda *request: _call(args.url, args.token, *request))
     return 0
 
 

@@ -6,6 +6,7 @@ now, and readmission first runs the verification pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from narwhal.clock import Clock
@@ -48,10 +49,17 @@ class OperatorActions:
             newer_than=baseline,
         )
 
-    async def readmit(self, engine_id: str, reason: str | None = None) -> list[dict[str, Any]]:
-        """Run the verification pipeline now; success readmits and clears drains."""
+    async def readmit(
+        self,
+        engine_id: str,
+        reason: str | None = None,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run the verification pipeline now; success readmits and clears drains. `on_step`
+        hears each step's result as it comes."""
         engine = self._fleet.get(engine_id)
-        results = await self._readmission.verify(engine)
+        hear = None if on_step is None else (lambda r: on_step(r.to_json()))
+        results = await self._readmission.verify(engine, hear)
         if all(r.ok for r in results):
             self._lifecycle.readmit(
                 engine,

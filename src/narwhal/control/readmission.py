@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,7 +199,11 @@ class Readmission:
         interval = self._cfg.controller.monitor_interval_s
         self._next_try[engine.id] = now + backoff_s(n, interval, 30 * interval, self._rng)
 
-    async def verify(self, engine: EngineState) -> list[StepResult]:
+    async def verify(
+        self, engine: EngineState, on_step: Callable[[StepResult], None] | None = None
+    ) -> list[StepResult]:
+        """Run the steps in order, up to the first that fails; `on_step` hears each result
+        as it comes (an operator following `narwhal readmit`)."""
         results: list[StepResult] = []
         checks = (
             self._health,
@@ -211,6 +216,8 @@ class Readmission:
         for name, step in zip(STEPS, checks, strict=True):
             ok, reason = await step(engine)
             results.append(StepResult(name, ok, reason, _status(name, reason)))
+            if on_step is not None:
+                on_step(results[-1])
             result = "ok" if ok else "failed"
             self._metrics.probes.labels(engine.id, f"readmission:{name}", result).inc()
             if not ok:

@@ -191,14 +191,15 @@ class ServerRequest:
         draining, nor after a body that has not all arrived (no clean boundary)."""
         return self.keep_alive and self.body_complete and not self._connection.server.draining
 
-    async def start_stream(self, headers: Mapping[str, str]) -> None:
+    async def start_stream(
+        self, headers: Mapping[str, str], content_type: str = SSE_HEADERS["Content-Type"]
+    ) -> None:
+        """A 200 answer sent piece by piece (chunked): SSE, or `content_type`."""
         assert not self.answered, "answered twice"
         self.answered = True
         self._chunked = True
         extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-        head = self._head(
-            200, SSE_HEADERS["Content-Type"].encode(), b"Cache-Control: no-cache\r\n" + extra
-        )
+        head = self._head(200, content_type.encode(), b"Cache-Control: no-cache\r\n" + extra)
         await self._connection.send(head + b"Transfer-Encoding: chunked\r\n\r\n")
 
     async def send(self, data: bytes) -> None:

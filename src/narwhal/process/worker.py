@@ -62,6 +62,7 @@ from narwhal.tls import engine_context, server_context
 from narwhal.tls import load as tls_load
 
 log = logging.getLogger("narwhal.worker")
+NDJSON = "application/x-ndjson"
 
 _PR_SET_PDEATHSIG = 1
 EXIT_ORPHANED = 70
@@ -262,6 +263,14 @@ class Worker:
             async with self._session.request(
                 request.method, "http://control" + request.path_qs, data=body, headers=headers
             ) as answer:
+                content_type = answer.headers.get("Content-Type", "")
+                if answer.status == 200 and content_type.startswith(NDJSON):
+                    # A progress stream (`narwhal readmit`): passed on as it comes.
+                    await request.start_stream({}, NDJSON)
+                    async for piece in answer.content.iter_any():
+                        await request.send(piece)
+                    await request.end()
+                    return
                 payload = await answer.read()
                 out = {
                     k: v

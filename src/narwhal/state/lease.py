@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -123,6 +124,7 @@ class LeaseKeeper:
         self.epoch: int | None = None
         self.last_seen: LeaseRecord | None = None
         self.fence_reason: str | None = None
+        self.on_event: Callable[[str], None] | None = None  # the event timeline hears these
         self._renew_started: float | None = None  # monotonic start of last good renewal
         self._admit_after: float = 0.0  # monotonic: preemption waits out the old lease
         self.store_error: str | None = None
@@ -195,6 +197,8 @@ class LeaseKeeper:
                     "epoch": self.epoch,
                 },
             )
+            if self.on_event is not None:
+                self.on_event(f"fenced: {reason}")
         self.role = Role.FENCED
         self.fence_reason = reason
 
@@ -253,6 +257,8 @@ class LeaseKeeper:
                 "preempted": live,
             },
         )
+        if self.on_event is not None:
+            self.on_event(f"acquired epoch {new.epoch} (previous {previous})")
         return True
 
     async def renew(self) -> None:
