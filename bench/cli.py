@@ -1,7 +1,9 @@
 """`python -m bench --mode quick|full|soak --report FILE --results DIR [--suites a,b] [--no-peers]`.
 
 `--workers-sweep 1,2,4,8` replaces the router_bound suite's Narwhal `serving.workers` values;
-`--bounded-twin 1,auto` (or `none`) the ones it also runs under `serving.policy: bounded`.
+`--bounded-twin 1,auto` (or `none`) the ones it also runs under `serving.policy: bounded`;
+`--edge-twins auth,access` (or `none`) the edge twins of `workers: auto` it also runs (client
+keys on, the access log on).
 
 Starts everything on loopback, runs the suites in order (each bounded in requests and time),
 stops everything, writes DIR/<mode>.json (raw results) and the Markdown report.
@@ -68,6 +70,13 @@ def _twin(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _edge(text: str) -> tuple[str, ...]:
+    try:
+        return router_bound.parse_edge(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="quick")
@@ -94,6 +103,14 @@ def _parser() -> argparse.ArgumentParser:
         "serving.policy: bounded, as narwhal-w<N>-bounded, or none (default: the mode's, auto)",
     )
     p.add_argument(
+        "--edge-twins",
+        type=_edge,
+        metavar="auth,access|none",
+        help="router_bound: Narwhal at workers auto again with client keys on "
+        "(narwhal-wauto-auth) and/or with the access log on (narwhal-wauto-access), or none "
+        "(default: the mode's, both)",
+    )
+    p.add_argument(
         "--ab-src",
         type=Path,
         metavar="SRC",
@@ -118,6 +135,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, router_bound_workers=args.workers_sweep)
     if args.bounded_twin is not None:
         mode = replace(mode, router_bound_bounded=args.bounded_twin)
+    if args.edge_twins is not None:
+        mode = replace(mode, router_bound_edge=args.edge_twins)
     results_dir, work = _prepare(args.results, mode.name)
     started = time.time()
     if args.no_peers:

@@ -5,18 +5,21 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.loadgen.driver import LoadGen
 from bench.modes import Mode
-from bench.routers import RouterSpec
+from bench.routers import BENCH_API_KEY, RouterSpec
 from bench.venv import BenchVenv
 
 PEER_KINDS = ("vllm-router", "sglang-router")
 REQUEST_TIMEOUT_S = 10.0  # every router's request deadline; the client gives up 2 s later
 CLIENT_GRACE_S = 2.0
+# `narwhal-w<N>[-<variant>]`: plain, or its router_bound twins (bounded policy, client keys,
+# access log)
+NARWHAL_VARIANTS = ("", "bounded", "auth", "access")
 
 
 def router_spec(name: str) -> RouterSpec:
@@ -24,16 +27,25 @@ def router_spec(name: str) -> RouterSpec:
     (bench.floor: the HTTP stack's own cost), `direct`; `narwhal-uvloop` and `floor-uvloop`
     (the same on uvloop), `floor-raw` (bench.floor_raw: the floor on asyncio protocols,
     httptools and uvloop), `floor-granian` (bench.floor_granian: granian serving);
-    `narwhal-w<N>` and `narwhal-wauto`: Narwhal with `serving.workers` N or auto, and
-    `narwhal-w<N>-bounded`, `narwhal-wauto-bounded`: the same under `serving.policy: bounded`."""
+    `narwhal-w<N>` and `narwhal-wauto`: Narwhal with `serving.workers` N or auto;
+    `narwhal-w<N>-bounded`, `narwhal-wauto-bounded`: the same under `serving.policy: bounded`;
+    `narwhal-w<N>-auth`: the same with client keys (`auth.api_keys_env`, the load generator
+    sending the key) and `narwhal-w<N>-access`: with the access log (`logging.access: true`)."""
     if name in ("direct", "floor", "floor-raw", "floor-granian"):
         return RouterSpec(name, name)
     if name.startswith("narwhal-w"):
-        workers = name.removeprefix("narwhal-w").removesuffix("-bounded")
-        policy = "bounded" if name.endswith("-bounded") else "single_attempt"
-        return RouterSpec(
-            name, "narwhal", policy=policy, workers=workers if workers == "auto" else int(workers)
-        )
+        count, _, variant = name.removeprefix("narwhal-w").partition("-")
+        if variant not in NARWHAL_VARIANTS:
+            raise ValueError(f"{name}: not a Narwhal target (-{variant}?)")
+        workers: int | str = count if count == "auto" else int(count)
+        spec = RouterSpec(name, "narwhal", workers=workers)
+        if variant == "bounded":
+            return replace(spec, policy="bounded")
+        if variant == "auth":
+            return replace(spec, api_key=BENCH_API_KEY)
+        if variant == "access":
+            return replace(spec, narwhal={"logging": {"access": True}})
+        return spec
     if name == "floor-uvloop":
         return RouterSpec(name, "floor", uvloop=True)
     if name.startswith("narwhal"):

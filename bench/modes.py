@@ -61,7 +61,7 @@ class Mode:
     # router-bound with data-plane workers (bench.suites.router_bound; part of full mode):
     # Narwhal once per `serving.workers` value (`--workers-sweep` replaces the list), the peers
     # beside it; 5 targets x 2 stream modes x 2 concurrencies x 3 rounds of 4 s is ~6 min, ~7
-    # with the bounded twin below
+    # with the bounded twin below, ~9 with the edge twins
     router_bound_workers: tuple[str, ...] = ("1", "2", "auto")
     router_bound_c: tuple[int, ...] = (64, 256)
     router_bound_s: float = 4.0  # seconds per measured run
@@ -73,6 +73,13 @@ class Mode:
     # (`--bounded-twin` replaces the list). At `auto`, json and stream: 2 x 2 x 3 rounds, ~1 min
     router_bound_bounded: tuple[str, ...] = ("auto",)
     router_bound_bounded_streams: tuple[str, ...] = ("no", "yes")
+    # the edge twins: Narwhal at `serving.workers: auto` (when `auto` is in
+    # `router_bound_workers`) again with client keys on (`auth`: `narwhal-wauto-auth`, the load
+    # generator sending `Authorization: Bearer <key>`) and with the access log on (`access`:
+    # `narwhal-wauto-access`, `logging.access: true`), in every cell and round beside
+    # `narwhal-wauto`, for "edge ÷ plain" in the same run; () turns them off (`--edge-twins`
+    # replaces the list). Both, json and stream, c=64 and c=256: 2 x 4 x 3 rounds, ~2 min
+    router_bound_edge: tuple[str, ...] = ("auth", "access")
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")

@@ -20,6 +20,10 @@ from bench.venv import BenchVenv
 
 REPO = Path(__file__).resolve().parents[1]
 BOOTSTRAP_PORT = "8998"  # SGLang's KV bootstrap port: announced to engines, never used by the sim
+# A Narwhal with `api_key` (router_bound's `narwhal-w<N>-auth`) reads its client keys from this
+# variable (`auth.api_keys_env`), set for its process alone; the load generator sends the key.
+API_KEYS_ENV = "NARWHAL_BENCH_API_KEYS"
+BENCH_API_KEY = "sk-narwhal-bench-0123456789abcdef0123456789abcdef"  # loopback only, not a secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +31,10 @@ class RouterSpec:
     """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor, floor-raw,
     floor-granian or direct. `uvloop`: Narwhal or a floor started through `bench.uvrun`
     (floor-raw always is). `workers`: Narwhal's `serving.workers` (an int or "auto"); None
-    leaves Narwhal's default."""
+    leaves Narwhal's default. `api_key`: Narwhal requires this client key on every `/v1`
+    request (`auth.api_keys_env: API_KEYS_ENV`, the variable set to it for the router's
+    process), and the load generator sends it as `Authorization: Bearer <key>` to this
+    router only; None: no auth."""
 
     name: str
     kind: str
@@ -38,6 +45,7 @@ class RouterSpec:
     uvloop: bool = False
     workers: int | str | None = None
     src: Path | None = None  # Narwhal from this source tree (`--ab-src`) instead of the repo's
+    api_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -76,6 +84,8 @@ def narwhal_config(spec: RouterSpec, engines: Engines, port: int, state: Path) -
         "handoff": {"path": str(state / "handoff.json")},
         "lease": {"backend": "none"},
     }
+    if spec.api_key is not None:
+        config["auth"] = {"api_keys_env": API_KEYS_ENV}  # the key itself only in the env
     for section, values in spec.narwhal.items():
         config[section] = {**config.get(section, {}), **values}
     return config
@@ -135,7 +145,9 @@ async def _start(
             argv[1:3] = ["-m", "bench.traced", str(spec.snapshots)]
         argv += ["--log-level", "WARNING"]
         if spec.src is not None:  # ahead of the editable install; the workers inherit it
-            env = {"PYTHONPATH": str(spec.src)}
+            env["PYTHONPATH"] = str(spec.src)
+        if spec.api_key is not None:  # the workers inherit it too
+            env[API_KEYS_ENV] = spec.api_key
         ready = "/ready"
     else:
         if venv is None or not venv.ready:

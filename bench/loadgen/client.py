@@ -30,9 +30,13 @@ _HEADERS = {"Content-Type": "application/json"}
 
 
 class Bodies:
-    """`{"model", "prompt": "<words> bnchld n<i>", "max_tokens", "stream"}` as bytes."""
+    """`{"model", "prompt": "<words> bnchld n<i>", "max_tokens", "stream"}` as bytes, and the
+    headers of a request to the router (with `Authorization` when the spec has a key)."""
 
     def __init__(self, spec: RunSpec) -> None:
+        self.headers = _HEADERS
+        if spec.api_key:
+            self.headers = {**_HEADERS, "Authorization": f"Bearer {spec.api_key}"}
         words = " ".join(f"w{i % 256}" for i in range(max(0, spec.prompt_words - 2)))
         self.head = f'{{"model":{json.dumps(spec.model)},"prompt":"{words} {MARKER} n'.encode()
         self.tails = {
@@ -245,7 +249,9 @@ class Client:
                 else:
                     body = bodies.body(i, stream)
                     url = self._ready_url if spec.failover and self._ready_url else spec.url
-                    first = await self._post(session, url, body, i, stream, result, tally)
+                    first = await self._post(
+                        session, url, body, i, stream, result, tally, bodies.headers
+                    )
         except TimeoutError:
             outcome = "hung"
         except Failed as exc:

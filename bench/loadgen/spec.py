@@ -39,6 +39,9 @@ class RunSpec:
     # Routers behind a load balancer (the soak's active/standby pair): each request goes to
     # the one that last answered /ready 200, polled every 0.1 s as a load balancer would.
     failover: tuple[str, ...] = ()
+    # A router that requires a client key: `Authorization: Bearer <api_key>` on every request
+    # to it ("" sends none; never on a direct run's engine legs)
+    api_key: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -34,6 +34,10 @@ make bench-quick    # quick mode: bench-results/quick.md (under a minute once se
 # ... with the bounded twin (serving.policy: bounded) at every workers value, not only auto:
 .venv/bin/python -m bench --mode full --suites router_bound --bounded-twin 1,2,auto \\
     --report bench-results/rb-bounded.md --results bench-results/rb-bounded
+# ... only the edge twins (client keys, access log) beside plain Narwhal at workers auto (~3 min):
+.venv/bin/python -m bench --mode full --suites router_bound --no-peers --workers-sweep auto \
+    --bounded-twin none --edge-twins auth,access \
+    --report bench-results/rb-edge.md --results bench-results/rb-edge
 ```
 
 The first run creates `bench/.venv` and installs the peers there with pip (`vllm-router==0.1.17`,
@@ -84,10 +88,15 @@ to download one.
 
 All routers listen on 127.0.0.1, log at warning level (per-request logging would otherwise be
 part of what is measured) and get the same request deadline (`--request-timeout-secs` for the
-peers, `serving.request_timeout_s` for Narwhal). Otherwise the peers run with their defaults;
-the `-hc1` variants add `--health-check-interval-secs 1` (Narwhal's monitor interval). The
-peers use their default `cache_aware` policy; with one engine per role (overhead, profile) the
-policy cannot matter.
+peers, `serving.request_timeout_s` for Narwhal). Every router's stdout and stderr go to a file,
+`<results>/work-<mode>/logs/<router>.log`; router_bound's `narwhal-wauto-access` measures
+per-request logging on purpose (`logging.access: true`), its access lines going to that file
+(a regular file on the results disk, not /dev/null), and `narwhal-wauto-auth` requires a client
+key (`auth.api_keys_env: NARWHAL_BENCH_API_KEYS`, the variable set for its process only), which
+the load generator sends to it, and to no other router, as `Authorization: Bearer <key>`.
+Otherwise the peers run with their defaults; the `-hc1` variants add
+`--health-check-interval-secs 1` (Narwhal's monitor interval). The peers use their default
+`cache_aware` policy; with one engine per role (overhead, profile) the policy cannot matter.
 
 ```
 {commands}
@@ -95,7 +104,8 @@ policy cannot matter.
 
 Narwhal's configuration (overhead suite; the streams suite raises `serving.max_connections` and
 `queue_limit` to 4096, `narwhal-bounded` and router_bound's `narwhal-w<N>-bounded` set
-`serving.policy: bounded`, nothing else changes):
+`serving.policy: bounded`, its `narwhal-wauto-auth` adds `auth` and `narwhal-wauto-access`
+`logging`, nothing else changes):
 
 ```yaml
 {config}

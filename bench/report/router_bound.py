@@ -1,7 +1,7 @@
 """The router-bound section (bench.suites.router_bound): Narwhal's data-plane workers beside the
 peers, the issue 17 §4 targets against vllm-router, the bounded twin (`serving.policy: bounded`
-beside `single_attempt`), each process's CPU and memory, and what a 16-core router host would
-carry."""
+beside `single_attempt`), the edge twins (client keys on, the access log on, beside plain
+Narwhal), each process's CPU and memory, and what a 16-core router host would carry."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ CPU_TARGET = 1.5  # Narwhal's CPU per request ÷ vllm-router's, at most
 HOST_CORES = 16  # the projection's router host
 ITL_MS = 20.0  # the projection's streams: one chunk per stream every 20 ms
 MODES = {"no": "json", "yes": "stream"}
+EDGE = {"auth": "client keys", "access": "access log"}  # edge twin kind -> what is on
 
 
 def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, Any] | None:
@@ -39,11 +40,16 @@ def _narwhal(suite: dict[str, Any]) -> list[str]:
     return [t for t in suite.get("targets", []) if t in suite.get("workers", {})]
 
 
+def _twins(suite: dict[str, Any]) -> dict[str, str]:
+    """Every twin (bounded and edge) -> the target it is compared with."""
+    return {**suite.get("bounded", {}), **suite.get("edge", {})}
+
+
 def judged(suite: dict[str, Any]) -> str | None:
     """The Narwhal variant the targets are judged on: `workers: auto` when it ran, else the
-    most workers (a sweep without auto); always a `single_attempt` one, never a bounded twin."""
+    most workers (a sweep without auto); always a plain `single_attempt` one, never a twin."""
     workers: dict[str, str] = suite.get("workers", {})
-    twins = suite.get("bounded", {})
+    twins = _twins(suite)
     ran = [t for t in _narwhal(suite) if t not in twins]
     auto = [t for t in ran if workers[t] == "auto"]
     if auto:
@@ -282,6 +288,131 @@ def _bounded(suite: dict[str, Any]) -> str:
     return table(header, rows)
 
 
+def edge_kind(target: str) -> str:
+    """`auth` or `access` for an edge twin's name."""
+    kind = target.rpartition("-")[2]
+    return kind if kind in EDGE else ""
+
+
+def edge_cells(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cell and edge twin: its medians beside its plain target's, and the ratios twin ÷
+    plain of req/s, CPU per request and p50 latency (each a ratio of the two medians over the
+    rounds), with what each wrote to its stderr per request."""
+    out = []
+    for stream, c in _cells(suite):
+        for twin, plain in suite.get("edge", {}).items():
+            e, p = point(suite, twin, stream, c), point(suite, plain, stream, c)
+            if e is None or p is None:
+                continue
+            out.append(
+                {
+                    "stream": stream,
+                    "c": c,
+                    "twin": twin,
+                    "kind": edge_kind(twin),
+                    "plain": plain,
+                    "rps": (_value(p, "throughput"), _value(e, "throughput")),
+                    "cpu": (_value(p, "router_cpu_s_per_1k"), _value(e, "router_cpu_s_per_1k")),
+                    "p50": (_value(p, "p50_ms"), _value(e, "p50_ms")),
+                    "rps_x": _x(_value(e, "throughput"), _value(p, "throughput")),
+                    "cpu_x": _x(_value(e, "router_cpu_s_per_1k"), _value(p, "router_cpu_s_per_1k")),
+                    "p50_x": _x(_value(e, "p50_ms"), _value(p, "p50_ms")),
+                    "log_b": (
+                        float(p.get("log_bytes_per_req", math.nan)),
+                        float(e.get("log_bytes_per_req", math.nan)),
+                    ),
+                    "failed": (_failed(p), _failed(e)),
+                    "reps": min(int(p.get("reps", 0)), int(e.get("reps", 0))),
+                }
+            )
+    return out
+
+
+def _edge(suite: dict[str, Any]) -> str:
+    rows = []
+    for t in edge_cells(suite):
+        rows.append(
+            [
+                MODES[t["stream"]],
+                str(t["c"]),
+                f"{EDGE.get(t['kind'], t['kind'])} ({t['twin']})",
+                num(t["rps"][0], 0),
+                num(t["rps"][1], 0),
+                _ratio(t["rps_x"]),
+                num(t["cpu"][0], 3),
+                num(t["cpu"][1], 3),
+                _ratio(t["cpu_x"]),
+                f"{num(t['p50'][0], 2)} / {num(t['p50'][1], 2)}",
+                f"{num(t['log_b'][0], 0)} / {num(t['log_b'][1], 0)}",
+                f"{t['failed'][0]} / {t['failed'][1]}",
+                str(t["reps"]),
+            ]
+        )
+    plain = next(iter(suite.get("edge", {}).values()), "plain")
+    header = [
+        "mode",
+        "c",
+        "on",
+        f"req/s {plain}",
+        "req/s twin",
+        "req/s twin ÷ plain",
+        f"CPU s / 1k req {plain}",
+        "CPU s / 1k req twin",
+        "CPU / req twin ÷ plain",
+        "p50 ms plain / twin",
+        "stderr bytes / req plain / twin",
+        "failed plain / twin",
+        "rounds",
+    ]
+    return table(header, rows)
+
+
+def _edge_intro(suite: dict[str, Any]) -> str:
+    edges = suite.get("edge", {})
+    checks = suite.get("edge_checks", {})
+    plain = next(iter(edges.values()), "narwhal-wauto")
+    parts = [
+        f"Narwhal as `{plain}` (`serving.workers: {suite.get('workers', {}).get(plain, 'auto')}`"
+        "), configured the same otherwise, ran again with one edge feature on, in the same "
+        "rounds and cells, after it in each round's order (`--edge-twins` changes the list, "
+        "`none` turns them off). Both sides have the same warm-up and measurement; the ratios "
+        "are twin ÷ plain of the medians over the rounds: above 1x, the twin carries more "
+        "req/s, spends more router CPU per request, or is slower at p50."
+    ]
+    for twin in edges:
+        kind, check = edge_kind(twin), checks.get(twin, {})
+        if kind == "auth":
+            refused = check.get("status_without_key")
+            seen = (
+                f"; a completion sent without it before the runs got {refused}"
+                if refused is not None
+                else ""
+            )
+            parts.append(
+                f"**{twin}**: `auth: {{api_keys_env: NARWHAL_BENCH_API_KEYS}}`, the bench "
+                "setting that variable to one key for the router's process (its workers "
+                "inherit it), and the load generator sending `Authorization: Bearer <key>` on "
+                "every request to this target only (warm-up included), so each request is "
+                f"checked against the key's SHA-256 digest in constant time{seen}."
+            )
+        elif kind == "access":
+            log = check.get("log", f"{twin}.log")
+            written = ""
+            if check.get("access_lines"):
+                written = (
+                    f" (at the end: {check['access_lines']:,} access lines, "
+                    f"{check.get('log_bytes', 0) / 1e6:.1f} MB, warm-up runs included)"
+                )
+            parts.append(
+                f"**{twin}**: `logging: {{access: true}}`, one JSON line per request written by "
+                "each data-plane process to stderr, which is, as for every router here, the "
+                f"bench's capture of its output: a regular file, `<results>/work-<mode>/logs/"
+                f"{log}`{written}, not a pipe nor /dev/null. The other routers log at warning "
+                "level, so write next to nothing per request (the *stderr bytes / req* column)."
+            )
+    return "\n\n".join(parts)
+
+
 def _join(parts: dict[str, dict[str, float]], key: str, fmt: Callable[[float], str]) -> str:
     return " · ".join(f"{_short(role)} {fmt(v[key])}" for role, v in parts.items())
 
@@ -428,7 +559,7 @@ def _projection(suite: dict[str, Any]) -> str:
 
 def _intro(suite: dict[str, Any]) -> str:
     cs = " and ".join(f"c={c}" for c in suite["concurrency"])
-    twins = suite.get("bounded", {})
+    twins = _twins(suite)
     sweep = ", ".join(w for t, w in suite.get("workers", {}).items() if t not in twins) or "none"
     return (
         f"One prefill and one decode sim answering at once (no inter-token latency, no TTFT "
@@ -441,7 +572,8 @@ def _intro(suite: dict[str, Any]) -> str:
         f"`max_connections` {suite.get('max_connections', 256)} (sized for c=256: a request can "
         "hold a socket to each engine at once; at the default 256 the c=256 cells measure the "
         "bound, "
-        "docs/dataplane.md) and policy `single_attempt` (the bounded twin aside, below); `auto` "
+        "docs/dataplane.md) and policy `single_attempt` (the bounded and edge twins aside, "
+        "below); `auto` "
         "is the usable CPUs, "
         f"{suite.get('usable_cpus', '?')} here. Router CPU is utime + stime of every process of "
         "the router (the process started and its descendants: for Narwhal with workers the "
@@ -501,6 +633,15 @@ def render(suite: dict[str, Any]) -> str:
             _twin_intro(suite),
             "",
             _bounded(suite),
+            "",
+        ]
+    if edge_cells(suite):
+        out += [
+            "#### Edge twins: client keys and the access log ÷ plain",
+            "",
+            _edge_intro(suite),
+            "",
+            _edge(suite),
             "",
         ]
     out += [

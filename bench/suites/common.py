@@ -67,7 +67,7 @@ async def start_routers(
         if spec.kind in ctx.skipped:
             continue
         if tweak and spec.kind == "narwhal":
-            spec = replace(spec, narwhal=tweak)
+            spec = replace(spec, narwhal=merged(tweak, spec.narwhal))
         t0 = time.monotonic()
         try:
             running[name] = await start_router(spec, engines, ctx.work, ctx.venv, REQUEST_TIMEOUT_S)
@@ -84,7 +84,18 @@ async def start_routers(
     return running
 
 
+def merged(tweak: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """A suite's Narwhal config sections (`tweak`) under a variant's own, section by section:
+    the variant's keys win."""
+    out = {section: dict(values) for section, values in tweak.items()}
+    for section, values in own.items():
+        out[section] = {**out.get(section, {}), **values}
+    return out
+
+
 def run_spec(name: str, router: Running, engines: Engines, model: str, **kw: Any) -> RunSpec:
+    """A load run against `router`; a router that requires a client key (`RouterSpec.api_key`)
+    is sent it on every request, and no other is."""
     direct = router.spec.kind == "direct"
     return RunSpec(
         name=name,
@@ -94,6 +105,7 @@ def run_spec(name: str, router: Running, engines: Engines, model: str, **kw: Any
         decode=tuple(engines.decode),
         model=model,
         deadline_s=REQUEST_TIMEOUT_S + CLIENT_GRACE_S,
+        api_key=router.spec.api_key or "",
         **kw,
     )
 

@@ -2,7 +2,11 @@
 `auto` (or the `--workers-sweep` list) beside vllm-router and sglang-router, and the bounded
 twin: Narwhal at some of those workers values (`auto` by default) again under
 `serving.policy: bounded`, where a stream that may migrate is relayed event by event through
-the migration splice instead of as raw bytes, for its cost beside `single_attempt`.
+the migration splice instead of as raw bytes, for its cost beside `single_attempt`; and the
+edge twins: Narwhal at `auto` again with client keys on (`narwhal-wauto-auth`: `auth.api_keys_env`
+set, every request carrying `Authorization: Bearer <key>`) and with the access log on
+(`narwhal-wauto-access`: `logging.access: true`, one JSON line per request to the router's
+stderr, which the bench captures to its log file), for the cost of each on the request path.
 
 One prefill and one decode sim that answer at once (no inter-token latency, no TTFT delay),
 `max_tokens` 8, c=64 and c=256, non-streaming then streaming; `reps` rounds, each running every
@@ -52,6 +56,7 @@ METRICS = (
     "processes",
     "client_cpu_util",
     "failed",
+    "log_bytes_per_req",
 )
 _WORKER_MODULE = "narwhal.process.worker"
 
@@ -73,29 +78,72 @@ def bounded_target(workers: str) -> str:
     return f"narwhal-w{workers}-bounded"
 
 
+# The edge twins (`--edge-twins`): what each turns on, beside plain Narwhal at this workers value
+EDGE = {
+    "auth": "client keys (`auth.api_keys_env`), `Authorization: Bearer <key>` on every request",
+    "access": "the access log (`logging.access: true`), one JSON line per request",
+}
+EDGE_WORKERS = "auto"
+
+
+def edge_target(kind: str, workers: str = EDGE_WORKERS) -> str:
+    """Narwhal with `kind` (`auth` or `access`) on: an edge twin of `narwhal_target`."""
+    return f"narwhal-w{workers}-{kind}"
+
+
+def edge_kind(target: str) -> str:
+    """`auth` or `access` for an edge twin's name ("" for any other target)."""
+    kind = target.rpartition("-")[2]
+    return kind if target.startswith("narwhal-w") and kind in EDGE else ""
+
+
 def plan(
-    sweep: tuple[str, ...], twinned: tuple[str, ...], ab: bool
-) -> tuple[dict[str, str], dict[str, str]]:
+    sweep: tuple[str, ...], twinned: tuple[str, ...], ab: bool, edge: tuple[str, ...] = ()
+) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """The Narwhal targets, each with its `serving.workers` value, in the order they run (each
-    bounded twin right after its `single_attempt` target), and bounded twin -> its
-    `single_attempt` target. Only workers values in `sweep` get a twin. `ab` (`--ab-src`): every
-    target beside its `@base` twin from the other tree."""
+    bounded twin right after its `single_attempt` target, then the edge twins), bounded twin ->
+    its `single_attempt` target, and edge twin -> its plain target. Only workers values in
+    `sweep` get a bounded twin; the edge twins (`edge`: kinds of `EDGE`) run at `EDGE_WORKERS`
+    when it is in `sweep`. `ab` (`--ab-src`): every target beside its `@base` twin from the
+    other tree, but the edge twins, which run from this tree only (an older tree may not have
+    the `auth` and `logging` sections) and are compared with this tree's plain target."""
     workers: dict[str, str] = {}
     twins: dict[str, str] = {}
+    edges: dict[str, str] = {}
     for w in sweep:
         workers[narwhal_target(w)] = w
         if w in twinned:
             workers[bounded_target(w)] = w
             twins[bounded_target(w)] = narwhal_target(w)
+        if w == EDGE_WORKERS:
+            for kind in edge:
+                workers[edge_target(kind, w)] = w
+                edges[edge_target(kind, w)] = narwhal_target(w)
     if ab:
-        workers = {n: w for t, w in workers.items() for n in (t, f"{t}@base")}
+        workers = {
+            n: w for t, w in workers.items() for n in ((t,) if t in edges else (t, f"{t}@base"))
+        }
         twins = {n: m for t, s in twins.items() for n, m in ((t, s), (f"{t}@base", f"{s}@base"))}
-    return workers, twins
+    return workers, twins, edges
 
 
 def parse_twin(text: str) -> tuple[str, ...]:
     """`--bounded-twin`: workers values as for `parse_workers`, or `none` for no twin."""
     return () if text.strip() == "none" else parse_workers(text)
+
+
+def parse_edge(text: str) -> tuple[str, ...]:
+    """`--edge-twins`: `auth`, `access` or both (`auth,access`), or `none`; ValueError
+    otherwise."""
+    if text.strip() == "none":
+        return ()
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        if item not in EDGE:
+            raise ValueError(f"not an edge twin: {item!r} ({', '.join(EDGE)} or none)")
+        if item not in out:
+            out.append(item)
+    return tuple(out)
 
 
 def parse_workers(text: str) -> tuple[str, ...]:
@@ -243,9 +291,11 @@ async def _measure(
     assert router.proc is not None
     root = router.proc.pid
     counts0 = await outcomes(router)
+    log0 = _size(router.proc.log)
     before = sample(root)
     result = await ctx.loadgen.run(spec)
     after = sample(root)
+    log_bytes = _size(router.proc.log) - log0
     counts1 = await outcomes(router)
     cpu, roles = spent(before, after)
     done = result.ok + result.failures
@@ -272,11 +322,43 @@ async def _measure(
         "router_cpu_s": cpu,
         "router_cpu_s_per_1k": cpu * per_1k,
         "cpu_us_per_chunk": cpu * 1e6 / chunks if chunks else math.nan,
+        "log_bytes": log_bytes,  # what the router wrote to its stderr (the access log, if on)
+        "log_bytes_per_req": log_bytes / done if done else math.nan,
         "rss_kb": sum(r["rss_kb"] for r in roles.values()),
         "processes": sum(1 for r in roles.values() if r["pid"] is not None),
         "procs": roles,
         "outcomes": _delta(counts0, counts1),
     }
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+async def _refused_without_key(ctx: Context, router: Running) -> int | None:
+    """The status of one completion sent to an auth twin without a key (401 when auth is on),
+    outside any measurement; None when it did not answer."""
+    body = {"model": ctx.model, "prompt": "w0", "max_tokens": 1}
+    try:
+        status, _ = await web.call("POST", router.url + "/v1/completions", body)
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return status
+
+
+def _access_lines(path: Path) -> int:
+    """The access log's lines in a router's log file (each a JSON object with an outcome)."""
+    n = 0
+    try:
+        with path.open("rb") as f:
+            for line in f:
+                n += line.startswith(b"{") and b'"outcome"' in line
+    except OSError:
+        return 0
+    return n
 
 
 async def _workers_status(router: Running) -> list[dict[str, Any]]:
@@ -306,12 +388,17 @@ def _log(ctx: Context, row: dict[str, Any]) -> None:
 
 async def run(ctx: Context) -> dict[str, Any]:
     mode = ctx.mode
-    workers, twins = plan(
-        mode.router_bound_workers, mode.router_bound_bounded, ctx.ab_src is not None
+    workers, twins, edges = plan(
+        mode.router_bound_workers,
+        mode.router_bound_bounded,
+        ctx.ab_src is not None,
+        mode.router_bound_edge,
     )
     missing = [w for w in mode.router_bound_bounded if w not in mode.router_bound_workers]
     if missing:
         ctx.log(f"router_bound: no bounded twin for workers {missing}: not in the sweep")
+    if mode.router_bound_edge and EDGE_WORKERS not in mode.router_bound_workers:
+        ctx.log(f"router_bound: no edge twins: workers {EDGE_WORKERS} is not in the sweep")
     names = [*workers, *PEERS]
     fleet = SimFleet.plan(1, 1, ctx.model, FLAGS, ctx.logs)
     await fleet.start()
@@ -320,10 +407,17 @@ async def run(ctx: Context) -> dict[str, Any]:
     )
     samples: list[dict[str, Any]] = []
     status: dict[str, list[dict[str, Any]]] = {}
+    checks: dict[str, dict[str, Any]] = {}
     t0 = time.monotonic()
     routers: dict[str, Running] = {}
     try:
         routers = await start_routers(ctx, names, engines, NARWHAL)
+        for name in edges:
+            if name in routers and edge_kind(name) == "auth":
+                refused = await _refused_without_key(ctx, routers[name])
+                checks[name] = {"status_without_key": refused}
+                if refused != 401:
+                    ctx.log(f"router_bound: {name} answered {refused} without a key, not 401")
         order0 = list(routers)
         for stream in ("no", "yes"):
             for c in mode.router_bound_c:
@@ -338,6 +432,14 @@ async def run(ctx: Context) -> dict[str, Any]:
         for name in workers:
             if name in routers:
                 status[name] = await _workers_status(routers[name])
+        for name in edges:
+            proc = routers[name].proc if name in routers else None
+            if proc is not None and edge_kind(name) == "access":
+                checks[name] = {
+                    "log": proc.log.name,
+                    "log_bytes": _size(proc.log),
+                    "access_lines": _access_lines(proc.log),
+                }
     finally:
         for r in routers.values():
             await r.stop()
@@ -351,6 +453,8 @@ async def run(ctx: Context) -> dict[str, Any]:
         "bounded_streams": [
             s for s in ("no", "yes") if s in mode.router_bound_bounded_streams and twins
         ],
+        "edge": {t: s for t, s in edges.items() if t in routers and s in routers},
+        "edge_checks": checks,
         "worker_processes": _worker_processes(samples),
         "workers_status": status,
         "concurrency": list(mode.router_bound_c),
