@@ -42,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
         "http_errors",
         "state",
         "telemetry",
+        "tls",
     },
 }
 

@@ -138,8 +138,6 @@ class DataPlane:
         timeline: Timeline | None = None,
         pool: Pool | None = None,
     ) -> None:
-        self._cfg = config
-        self._serving = config.serving
         self._fleet = fleet
         self._in_flight_counts = fleet.in_flight
         self._client = client
@@ -164,21 +162,24 @@ class DataPlane:
         # The streams that may migrate, by the engine they decode on: `move_streams` expires
         # their read timers.
         self._movable: dict[str, dict[_Attempt, asyncio.Timeout]] = {}
-        self._migration_limit = config.serving.migrations
-        every = config.logging.access_every
-        self._access = AccessLog(every) if every is not None else None
         self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
         self._by_key = Children(metrics.key_requests)
         self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
+        self._apply(config)
 
-    def reconfigure(self, config: Config) -> None:
-        """A reloaded config (control/reload.py): timeouts and policies for new requests.
-        What sizes the pool and caches stays as built (a reload reports it)."""
+    def _apply(self, config: Config) -> None:
+        """What a config sets for new requests (at start, and on every reload)."""
         self._cfg = config
         self._serving = config.serving
         self._migration_limit = config.serving.migrations
         every = config.logging.access_every
         self._access = AccessLog(every) if every is not None else None
+
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (control/reload.py): timeouts, policies, the access log and the
+        client keys for new requests. What sizes the pool and caches stays as built (a
+        reload reports it)."""
+        self._apply(config)
         try:
             self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
         except KeysUnreadable as exc:  # gone since the control process checked it
