@@ -128,6 +128,7 @@ async def test_the_access_log_has_one_line_per_request_or_one_in_n(
     assert (ok["status"], ok["outcome"], ok["model"]) == (200, "ok", "demo-model")
     assert (ok["prefill"], ok["decode"], ok["attempts"], ok["migrations"]) == ("p0", "d0", 1, 0)
     assert ok["duration_s"] > 0 and ok["ttft_s"] is None  # not streamed
+    assert ok["completion_tokens"] == 4 and ok["prompt_tokens"] > 0
     assert (bad["status"], bad["outcome"], bad["attempts"]) == (400, "bad_request", 0)
 
     caplog.clear()

@@ -239,6 +239,8 @@ class DataPlane:
                 headers["X-Request-Id"] = record.request_id
                 result = replace(result, headers=headers)
                 record.status = result.status
+                if result.status == 200:
+                    record.usage_source = result.body
             else:
                 record.status = 200
             return result
@@ -942,6 +944,8 @@ class DataPlane:
         else:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
             self._check_recompute(attempt, producer, engine, scanner.last)
+            if exchange.record is not None and (splice is None or not splice.migrations):
+                exchange.record.usage_source = scanner.last  # a continuation's counts its leg
             if splice is not None and splice.migrations:
                 self._migrated("saved").inc()
         exchange.settled_outcome = outcome

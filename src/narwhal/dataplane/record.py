@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 MAX_CLIENT_ID = 128
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -45,8 +47,9 @@ class RequestRecord:
     migrations: int = 0
     ttft_s: float | None = None
     duration_s: float = 0.0
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+    # Where the token counts are: the JSON answer, or a stream's last data event (`usage`
+    # with `stream_options.include_usage`); parsed only when the line is written.
+    usage_source: bytes | None = None
 
     def next_attempt_id(self) -> str:
         self.attempts += 1
@@ -66,6 +69,19 @@ class RequestRecord:
             "migrations": self.migrations,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "duration_s": round(self.duration_s, 6),
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
+            **_tokens(self.usage_source),
         }
+
+
+def _tokens(source: bytes | None) -> dict[str, int | None]:
+    """`prompt_tokens` and `completion_tokens` from a JSON answer or an SSE data event."""
+    usage = None
+    if source is not None:
+        try:
+            parsed = orjson.loads(source.removeprefix(b"data: "))
+        except orjson.JSONDecodeError:
+            parsed = None
+        usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    if not isinstance(usage, dict):
+        return {"prompt_tokens": None, "completion_tokens": None}
+    return {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")}
