@@ -288,6 +288,13 @@ def add_routes(app: web.Application, router: Router) -> None:
             if router.ownership is not None
             else {"backend": "none", "role": "active"}
         )
+        # Per-engine history for the sparklines: the kept interval windows (as in
+        # /admin/stats) then the open one, with wall-clock bounds (each ends where the next
+        # starts; the open one ends now).
+        mono = router.clock.monotonic()
+        wall = router.clock.wall()
+        windows = [*router.stats.closed, router.stats.current]
+        ends = [w.started for w in windows[1:]] + [mono]
         return web.json_response(
             {
                 "router_id": router.config.effective_router_id,
@@ -296,6 +303,20 @@ def add_routes(app: web.Application, router: Router) -> None:
                 "monitor": router.monitor.to_json(),
                 "lease": lease,
                 "timeline": [s.to_json() for s in router.timeline.samples],
+                "now": wall,
+                "engine_history": {
+                    "interval_s": router.config.controller.interval_s,
+                    "windows_kept": router.stats.closed.maxlen,
+                    "windows": [
+                        {
+                            "started": wall - (mono - w.started),
+                            "ended": wall - (mono - end),
+                            "open": w is router.stats.current,
+                            "engines": {e: x.to_json() for e, x in w.engines.items()},
+                        }
+                        for w, end in zip(windows, ends, strict=True)
+                    ],
+                },
             }
         )
 

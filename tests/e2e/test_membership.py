@@ -277,9 +277,8 @@ async def test_a_standby_follows_the_membership_and_serves_it_after_takeover(
         "id": "d1",
         "url": sims[2].url,
         "role": "decode",
-        "kv_role": "kv_consumer",
-        "api": "vllm",
         "origin": "operator",
+        "model": "demo-model",
     }
 
     await active.stop()

@@ -31,6 +31,7 @@ from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+KEY = {"Authorization": "Bearer sk-contract"}
 PREFILL = ["--role", "prefill", "--kv-role", "kv_producer"]
 DECODE = ["--role", "decode", "--kv-role", "kv_consumer"]
 
@@ -129,10 +130,12 @@ async def test_every_documented_metric_is_exported_with_its_labels(
     start_router: StartRouter,
     http: aiohttp.ClientSession,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     p0, p1, d0 = sim_factory.start_many([PREFILL, PREFILL, DECODE])
     dead = f"http://127.0.0.1:{closed_port()}"
     drains = FailOnce()
+    monkeypatch.setenv("TEST_CONTRACT_KEYS", "sk-contract")  # client keys on: counted per key
     discovered = tmp_path / "engines.yaml"
     discovered.write_text("[]\n")  # discovery rounds, finding nothing
     rr = await start_router(
@@ -153,6 +156,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
         },
         router_kwargs={"resume": True, "stage_overrides": {"drains": drains}},
         discovery={"file": str(discovered), "interval_s": 0.2},
+        auth={"api_keys_env": "TEST_CONTRACT_KEYS"},
     )
     drains.rr = rr
     router = rr.router
@@ -167,7 +171,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
 
     # Requests: ok (plain and streamed), a bad one, and one whose decode fails on both attempts.
     plain = {"model": "demo-model", "prompt": "hello there router", "max_tokens": 3}
-    async with http.post(rr.url + "/v1/completions", json=plain) as resp:
+    async with http.post(rr.url + "/v1/completions", json=plain, headers=KEY) as resp:
         assert resp.status == 200, await resp.text()
     chat = {
         "model": "demo-model",
@@ -175,20 +179,20 @@ async def test_every_documented_metric_is_exported_with_its_labels(
         "max_tokens": 4,
         "stream": True,
     }
-    async with http.post(rr.url + "/v1/chat/completions", json=chat) as resp:
+    async with http.post(rr.url + "/v1/chat/completions", json=chat, headers=KEY) as resp:
         assert resp.status == 200
         assert b"data: [DONE]" in await resp.read()
-    async with http.post(rr.url + "/v1/completions", data=b"{not json") as resp:
+    async with http.post(rr.url + "/v1/completions", data=b"{not json", headers=KEY) as resp:
         assert resp.status == 400
     d0.add_fault({"kind": "completion_status", "status": 500, "leg": "decode", "count": 2})
-    async with http.post(rr.url + "/v1/completions", json=plain) as resp:
+    async with http.post(rr.url + "/v1/completions", json=plain, headers=KEY) as resp:
         assert resp.status == 502, await resp.text()
-    async with http.post(rr.url + "/v1/completions", json=plain) as resp:
+    async with http.post(rr.url + "/v1/completions", json=plain, headers=KEY) as resp:
         assert resp.status == 200, await resp.text()
     # A stream whose decode reports an error in band after two tokens: migrated, and saved.
     d0.add_fault({"kind": "error_event", "leg": "decode", "count": 1, "after_tokens": 2})
     streamed = {**plain, "max_tokens": 5, "stream": True}
-    async with http.post(rr.url + "/v1/completions", json=streamed) as resp:
+    async with http.post(rr.url + "/v1/completions", json=streamed, headers=KEY) as resp:
         assert resp.status == 200
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
 

@@ -41,6 +41,8 @@ from narwhal.state.handoff import (
     build_document,
     check_document,
     load_schema,
+    member_entry,
+    members_of,
     newest,
 )
 from narwhal.telemetry.fleet_metrics import watch_fleet
@@ -171,17 +173,8 @@ def test_the_document_has_exactly_the_specified_top_level_fields(saved: dict[str
 def test_the_engine_set_lists_every_member_with_its_url_and_how_it_is_configured(
     saved: dict[str, Any],
 ) -> None:
-    kv = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
     assert saved["engine_set"] == [
-        {
-            "id": e["id"],
-            "url": e["url"],
-            "role": e["role"],
-            "kv_role": kv[e["role"]],
-            "api": "vllm",
-            "model": "demo-model",
-        }
-        for e in ENGINES
+        {"id": e["id"], "url": e["url"], "role": e["role"], "model": "demo-model"} for e in ENGINES
     ]
     assert list(saved["engines"]) == [e["id"] for e in ENGINES]
 
@@ -875,3 +868,28 @@ def test_the_newest_document_is_by_epoch_then_sequence(
     own: dict[str, Any] | None, followed: dict[str, Any] | None, expected: Any
 ) -> None:
     assert newest(own, followed) == expected
+
+
+def test_an_entry_keeps_what_differs_from_the_defaults_and_reads_back() -> None:
+    """`engine_set` entries carry what a standby needs to add an engine, and no more."""
+    config = parse_config(
+        {
+            "model": "demo-model",
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill", "kv_role": "kv_both"},
+                {"id": "d0", "url": "http://127.0.0.1:9101", "role": "decode", "model": "m2",
+                 "api_key_env": "D0_KEY"},
+            ],
+        }
+    )  # fmt: skip
+    fleet = Fleet(config.engines, FakeClock())
+    entries = [member_entry(e) for e in fleet]
+    assert entries == [
+        {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill", "kv_role": "kv_both",
+         "model": "demo-model"},
+        {"id": "d0", "url": "http://127.0.0.1:9101", "role": "decode", "api_key_env": "D0_KEY",
+         "model": "m2"},
+    ]  # fmt: skip
+    members = members_of({"engine_set": entries}, config)
+    assert [c for c, _ in members] == list(config.engines)
+    assert [o for _, o in members] == ["config", "config"]

@@ -31,7 +31,7 @@ import jsonschema
 import orjson
 
 from narwhal.clock import Clock
-from narwhal.config import KV_ROLE_PERMITS, Config, EngineConfig, KvRole, Role
+from narwhal.config import DEFAULT_KV_ROLE, KV_ROLE_PERMITS, Config, EngineConfig, KvRole, Role
 from narwhal.fleet.events import Restored
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Ejection, EngineState
@@ -117,13 +117,12 @@ def member_entry(engine: EngineState) -> dict[str, Any]:
     """An engine's `engine_set` entry: what a standby needs to add it (never its API key),
     and where its membership comes from."""
     config = engine.config
-    entry: dict[str, Any] = {
-        "id": config.id,
-        "url": config.url,
-        "role": config.role.value,
-        "kv_role": config.effective_kv_role.value,
-        "api": config.api,
-    }
+    entry: dict[str, Any] = {"id": config.id, "url": config.url, "role": config.role.value}
+    # What a reader would derive anyway is left out (the document is written every pass).
+    if config.effective_kv_role is not DEFAULT_KV_ROLE[config.role]:
+        entry["kv_role"] = config.effective_kv_role.value
+    if config.api != "vllm":
+        entry["api"] = config.api
     if config.api_key_env is not None:
         entry["api_key_env"] = config.api_key_env
     if config.slot_save_path is not None:
