@@ -74,12 +74,13 @@ class Page:
 
     async def screenshot(self, path: Path) -> None:
         """The whole page: the window is made as tall as the page for the shot."""
-        height = int(await self.evaluate("document.documentElement.scrollHeight"))
-        await self.call(
-            "Emulation.setDeviceMetricsOverride",
-            width=WIDTH, height=height, deviceScaleFactor=1, mobile=False,
-        )  # fmt: skip
         try:
+            for _ in range(2):  # again once the scrollbar is gone: the page may reflow
+                height = int(await self.evaluate("document.documentElement.scrollHeight"))
+                await self.call(
+                    "Emulation.setDeviceMetricsOverride",
+                    width=WIDTH, height=height, deviceScaleFactor=1, mobile=False,
+                )  # fmt: skip
             shot = await self.call("Page.captureScreenshot", format="png")
         finally:
             await self.call("Emulation.clearDeviceMetricsOverride")

@@ -876,7 +876,8 @@ def test_an_entry_keeps_what_differs_from_the_defaults_and_reads_back() -> None:
         {
             "model": "demo-model",
             "engines": [
-                {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill", "kv_role": "kv_both"},
+                {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill",
+                 "kv_role": "kv_both"},
                 {"id": "d0", "url": "http://127.0.0.1:9101", "role": "decode", "model": "m2",
                  "api_key_env": "D0_KEY"},
             ],
