@@ -353,6 +353,20 @@ class AuthConfig(_Section):
         return self
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry spans (docs/edge.md), with the `tracing` extra installed."""
+
+    # Where spans go: an OTLP/HTTP collector's base URL (`/v1/traces` is appended).
+    otlp_endpoint: str | None = Field(default=None, min_length=1)
+    service_name: str = Field(default="narwhal", min_length=1)
+    export_interval_s: PositiveFloat = 5.0  # how often finished spans are sent
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value, "otlp_endpoint")
+
+
 class LoggingConfig(_Section):
     # One JSON access-log line per client request: true, false, or `sample:N` (one in N).
     access: bool | str = False
@@ -494,6 +508,7 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig = TlsConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("engines", mode="before")
     @classmethod

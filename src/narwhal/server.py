@@ -577,6 +577,7 @@ class Router:
                 await self.ownership.keeper.store.close()
             await runner.cleanup()
             await self.client.close()
+            await self.dataplane.close()
             if runtime is not None:
                 await asyncio.to_thread(shutil.rmtree, runtime, True)
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -56,9 +56,11 @@ from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Children, DataMetrics
 from narwhal.telemetry.timeline import Timeline
+from narwhal.telemetry.tracing import make_tracer
 
 log = logging.getLogger("narwhal.proxy")
 
+_UNTRACED = nullcontext()  # an untraced leg's span
 # A write to a client that left (aiohttp's ClientConnectionResetError is one too).
 _CLIENT_GONE = ConnectionResetError
 # How long to wait, after [DONE], for the end of the engine's body so its connection can be
@@ -165,6 +167,7 @@ class DataPlane:
         self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
         self._by_key = Children(metrics.key_requests)
         self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
+        self._tracer = make_tracer(config.tracing)  # None: not traced, and nothing paid
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
@@ -228,6 +231,9 @@ class DataPlane:
         carries the request's id (`X-Request-Id`)."""
         start = self._clock.monotonic()
         record = exchange.record = self._record(endpoint, exchange)
+        if self._tracer is not None:
+            attributes = {"narwhal.request_id": record.request_id, "narwhal.endpoint": endpoint}
+            record.span = self._tracer.request(record.trace, attributes)
         outcome = "ok"
         try:
             refused, record.key = self.authenticate(exchange.header("authorization"))
@@ -256,6 +262,8 @@ class DataPlane:
             if self._access is not None:
                 record.outcome, record.duration_s = outcome, elapsed
                 self._access.log(record)
+            if record.span is not None:
+                self._end_span(record, outcome)
 
     async def passthrough(self, path: str, exchange: Exchange) -> Answer:
         """`/tokenize` and `/detokenize` (vLLM's): sent as they are to one eligible engine of
@@ -310,6 +318,47 @@ class DataPlane:
             else "upstream_error"
         )
         return Answer(reply.status, reply.body, reply.content_type, outcome)
+
+    def _end_span(self, record: RequestRecord, outcome: str) -> None:
+        assert self._tracer is not None
+        attributes = {
+            "http.response.status_code": record.status,
+            "narwhal.outcome": outcome,
+            "narwhal.model": record.model or "",
+            "narwhal.attempts": record.attempts,
+            "narwhal.migrations": record.migrations,
+        }
+        self._tracer.end(record.span, attributes, ok=outcome == "ok")
+
+    def _traced(
+        self, exchange: Exchange, attempt: _Attempt, leg: str, engine_id: str
+    ) -> AbstractContextManager[None]:
+        """A leg's span when tracing is on (the engine's `traceparent` names it); otherwise
+        one shared no-op, so an untraced leg pays one attribute test."""
+        record = exchange.record
+        if record is None or record.span is None:
+            return _UNTRACED
+        return self._leg_span(record, attempt, leg, engine_id)
+
+    @contextmanager
+    def _leg_span(
+        self, record: RequestRecord, attempt: _Attempt, leg: str, engine_id: str
+    ) -> Iterator[None]:
+        assert self._tracer is not None
+        attributes = {"narwhal.engine": engine_id, "narwhal.attempt_id": attempt.request_id}
+        span = self._tracer.leg(record.span, leg, attributes)
+        attempt.trace = self._tracer.headers(span)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._tracer.end(span, {}, ok)
+
+    async def close(self) -> None:
+        """Send the spans still batched (tracing on)."""
+        if self._tracer is not None:
+            await asyncio.to_thread(self._tracer.shutdown)
 
     def _record(self, endpoint: Endpoint, exchange: Exchange) -> RequestRecord:
         """The request's id (the client's `X-Request-Id` when usable) and trace context."""
@@ -465,6 +514,9 @@ class DataPlane:
             record = exchange.record
             assert record is not None
             record.migrations = splice.migrations
+            if record.span is not None:
+                event = {"narwhal.cause": cause, "narwhal.kind": leg.kind}
+                record.span.add_event("migration", event)
             log.info(
                 "migrating a stream after %d tokens (%s, %s, migration %d)",
                 splice.delivered, cause, leg.kind, splice.migrations,
@@ -622,7 +674,10 @@ class DataPlane:
         model = req.model
         roles = self._fleet.needed_roles(model)
         if roles == (Role.BOTH,):
-            with self._placed(Role.BOTH, tried, model) as engine:
+            with (
+                self._placed(Role.BOTH, tried, model) as engine,
+                self._traced(exchange, attempt, "unified", engine.id),
+            ):
                 self._placed_on(exchange, None, engine.id)
                 body = self._adapters(engine.config).unified_body(req.body)
                 headers = engine_headers(
@@ -640,13 +695,19 @@ class DataPlane:
         if missing:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
-        with self._placed(Role.PREFILL, tried, model) as prefill:
+        with (
+            self._placed(Role.PREFILL, tried, model) as prefill,
+            self._traced(exchange, attempt, "prefill", prefill.id),
+        ):
             self._placed_on(exchange, prefill.id, None)
             handoff = await self._prefill_leg(req, deadline, attempt, prefill)
         if isinstance(handoff, Answer):
             return await self._finished_in_prefill(exchange, deadline, attempt, handoff)
         try:
-            with self._placed(Role.DECODE, tried, model) as decode:
+            with (
+                self._placed(Role.DECODE, tried, model) as decode,
+                self._traced(exchange, attempt, "decode", decode.id),
+            ):
                 self._placed_on(exchange, prefill.id, decode.id)
                 return await self._decode_leg(
                     req, exchange, deadline, attempt, prefill, decode, handoff

@@ -50,6 +50,7 @@ class RequestRecord:
     # Where the token counts are: the JSON answer, or a stream's last data event (`usage`
     # with `stream_options.include_usage`); parsed only when the line is written.
     usage_source: bytes | None = None
+    span: Any = None  # its OpenTelemetry span, when tracing is on
 
     def next_attempt_id(self) -> str:
         self.attempts += 1

@@ -327,6 +327,7 @@ class Worker:
             if self._session is not None:
                 await self._session.close()
             await self.client.close()
+            await self.dataplane.close()
 
 
 async def _main(channel_fd: int, index: int) -> int:
