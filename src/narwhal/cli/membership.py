@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+from narwhal.cli.progress import follow
+
 EXIT_OK, EXIT_ERROR = 0, 1
-POLL_S = 0.25
 
 Call = Callable[..., tuple[int, Any]]
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, call: Call, message: Callable[[Any], str]) -> 
             print(f"narwhal: {status}: {message(answer)}", file=sys.stderr)
             return EXIT_ERROR
         print(f"{args.engine_id}: added ({answer['state']})")
-        return EXIT_OK if args.no_wait else _follow(args, call, _until_in_service)
+        return EXIT_OK if args.no_wait else follow(args, call, _until_in_service, gone_ok=False)
     path = f"/admin/engines/{quote(args.engine_id)}" + ("?force=true" if args.force else "")
     status, answer = call("DELETE", path)
     if status not in (200, 202):
@@ -65,11 +65,7 @@ def run(args: argparse.Namespace, call: Call, message: Callable[[Any], str]) -> 
         print(f"{args.engine_id}: removed")
         return EXIT_OK
     print(f"{args.engine_id}: removing, {answer['in_flight']} in flight")
-    return EXIT_OK if args.no_wait else _follow(args, call, _until_gone)
-
-
-Progress = Callable[[dict[str, Any] | None], tuple[str, bool]]
-"""The engine's record (None: not in the fleet) -> (what to print, whether it is done)."""
+    return EXIT_OK if args.no_wait else follow(args, call, _until_gone, gone_ok=True)
 
 
 def _until_in_service(engine: dict[str, Any] | None) -> tuple[str, bool]:
@@ -88,28 +84,3 @@ def _until_gone(engine: dict[str, Any] | None) -> tuple[str, bool]:
     if engine is None:
         return "removed", True
     return f"removing, {engine['in_flight']} in flight", False
-
-
-def _follow(args: argparse.Namespace, call: Call, progress: Progress) -> int:
-    """Poll `/admin/engines`, printing each new state, until done or `--timeout-s`."""
-    deadline = time.monotonic() + args.timeout_s
-    last = None
-    while True:
-        status, body = call("GET", "/admin/engines")
-        if status != 200:
-            print(f"narwhal: {status} while following {args.engine_id}", file=sys.stderr)
-            return EXIT_ERROR
-        engine = next((e for e in body["engines"] if e["id"] == args.engine_id), None)
-        line, done = progress(engine)
-        if line != last:
-            print(f"{args.engine_id}: {line}", flush=True)
-            last = line
-        if done:
-            ok = engine is not None or progress is _until_gone
-            return EXIT_OK if ok else EXIT_ERROR
-        if time.monotonic() >= deadline:
-            print(
-                f"narwhal: {args.engine_id}: not done after {args.timeout_s:g} s", file=sys.stderr
-            )
-            return EXIT_ERROR
-        time.sleep(POLL_S)

@@ -72,8 +72,14 @@ def readmit(args: argparse.Namespace, label: Callable[[dict[str, Any]], str]) ->
     return EXIT_ERROR
 
 
-def drain_wait(args: argparse.Namespace, call: Call) -> int:
-    """After a drain: the engine's in-flight count as it changes, until it reaches zero."""
+Progress = Callable[[dict[str, Any] | None], tuple[str, bool]]
+"""The engine's record (None: not in the fleet) -> (what to print, whether it is done)."""
+
+
+def follow(args: argparse.Namespace, call: Call, progress: Progress, gone_ok: bool) -> int:
+    """Poll `/admin/engines`, printing each new state of `args.engine_id` once, until
+    `progress` says done (exit 0; 1 when the engine is gone and that is not what was
+    awaited) or `--timeout-s` passes (exit 1)."""
     deadline = time.monotonic() + args.timeout_s
     last = None
     while True:
@@ -82,25 +88,31 @@ def drain_wait(args: argparse.Namespace, call: Call) -> int:
             print(f"narwhal: {status} while following {args.engine_id}", file=sys.stderr)
             return EXIT_ERROR
         engine = next((e for e in body["engines"] if e["id"] == args.engine_id), None)
-        if engine is None:
-            print(f"{args.engine_id}: no longer in the fleet")
-            return EXIT_OK
-        line = (
-            f"{args.engine_id}: drained, nothing in flight"
-            if engine["in_flight"] == 0
-            else f"{args.engine_id}: draining, {engine['in_flight']} in flight"
-        )
+        line, done = progress(engine)
         if line != last:
-            print(line, flush=True)
+            print(f"{args.engine_id}: {line}", flush=True)
             last = line
-        if engine["in_flight"] == 0:
-            return EXIT_OK
+        if done:
+            return EXIT_OK if engine is not None or gone_ok else EXIT_ERROR
         if time.monotonic() >= deadline:
             print(
-                f"narwhal: {args.engine_id}: still busy after {args.timeout_s:g} s", file=sys.stderr
+                f"narwhal: {args.engine_id}: not done after {args.timeout_s:g} s", file=sys.stderr
             )
             return EXIT_ERROR
         time.sleep(POLL_S)
+
+
+def _until_drained(engine: dict[str, Any] | None) -> tuple[str, bool]:
+    if engine is None:
+        return "no longer in the fleet", True
+    if engine["in_flight"] == 0:
+        return "drained, nothing in flight", True
+    return f"draining, {engine['in_flight']} in flight", False
+
+
+def drain_wait(args: argparse.Namespace, call: Call) -> int:
+    """After a drain: the engine's in-flight count as it changes, until it reaches zero."""
+    return follow(args, call, _until_drained, gone_ok=True)
 
 
 def watch(show: Callable[[], int], interval_s: float, count: int | None) -> int:
