@@ -139,6 +139,7 @@ class Router:
             self.adapters,
             stats=self.stats,
             timeline=self.timeline,
+            note=self.events.add,
         )
         m = self.metrics
         m.pool_limit.labels("data").set(config.serving.max_connections)
@@ -606,6 +607,7 @@ class Router:
             self.metrics,
             self.clock,
             runtime,
+            self.events.add,
         )
         bound = sup.reserve(host, port)
         await web.UnixSite(runner, sup.control_socket).start()

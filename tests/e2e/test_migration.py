@@ -165,6 +165,20 @@ async def _migrations(rr: RunningRouter, **labels: str) -> float:
         return await metric(http, rr.url, "narwhal_migrations_total", **labels)
 
 
+async def _timeline(
+    rr: RunningRouter, http: aiohttp.ClientSession, count: int = 1
+) -> list[dict[str, Any]]:
+    """The migration events of the router's timeline (`GET /admin/events`), once there are
+    `count` (a worker reports them to the control process as they happen)."""
+
+    async def migrations() -> list[dict[str, Any]] | None:
+        async with http.get(rr.url + "/admin/events") as r:
+            events = [e for e in (await r.json())["events"] if e["kind"] == "migration"]
+        return events if len(events) >= count else None
+
+    return await eventually(migrations, timeout_s=5, what=f"{count} migration events")
+
+
 async def _saved(rr: RunningRouter, result: str = "saved") -> float:
     """Streams migrated and saved (or lost), once the count is 1: the router counts a stream
     when its outcome settles, which may be just after the client read its end."""
@@ -196,13 +210,18 @@ async def _killed_after_5(rr: RunningRouter, fleet: Fleet, endpoint: str) -> tup
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 async def test_a_decode_killed_mid_stream_is_continued_exactly(
-    endpoint: str, fleet: Fleet, start_router: StartRouter
+    endpoint: str, fleet: Fleet, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     rr = await _router(start_router, fleet)
     reference, run = await _killed_after_5(rr, fleet, endpoint)
     _assert_same(run, reference)
     assert await _migrations(rr, cause="connection_lost", kind="token_ids") == 1
     assert await _saved(rr) == 1
+    # On the timeline, from whichever process served it: the engine it left, and why.
+    [event] = await _timeline(rr, http)
+    killed = next(i for i, d in enumerate(fleet.decodes) if not d.running)
+    assert event["engine"] == f"d{killed}"
+    assert "after 5 tokens (connection_lost, token_ids, migration 1)" in event["what"]
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -304,6 +323,11 @@ async def test_past_the_migration_limit_the_stream_ends_with_the_error_event(
     assert "upstream failure (inference_status)" in events[-1]["error"]["message"]
     assert await _migrations(rr, cause="error_event", kind="token_ids") == 1
     assert await _saved(rr, "lost") == 1
+    async with aiohttp.ClientSession() as http:
+        continued, lost = await _timeline(rr, http, count=2)
+    assert "(error_event, token_ids, migration 1)" in continued["what"]
+    assert lost["what"].endswith("after 2 tokens and 1 migrations (error_event)")
+    assert lost["engine"] != continued["engine"]  # the continuation broke on the other decode
 
 
 async def test_a_deadline_exhausted_while_migrating_ends_with_the_error_event(
@@ -437,6 +461,8 @@ async def test_maintenance_with_migrate_moves_a_stream_off_its_decode_at_once(
     state = next(e for e in engines["engines"] if e["id"] == moved[0])
     assert state["holds"] == ["planned_maintenance"]
     assert state["ejected"] is False and not any(state["evidence"].values())
+    [event] = await _timeline(rr, http)
+    assert event["engine"] == moved[0] and "(maintenance, token_ids, migration 1)" in event["what"]
 
 
 async def test_maintenance_with_migrate_is_refused_where_streams_never_migrate(

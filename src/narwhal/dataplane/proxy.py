@@ -54,6 +54,7 @@ from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import starting_reason
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
+from narwhal.telemetry.events import Note
 from narwhal.telemetry.metrics import Children, DataMetrics
 from narwhal.telemetry.timeline import Timeline
 from narwhal.telemetry.tracing import make_tracer
@@ -66,6 +67,10 @@ _CLIENT_GONE = ConnectionResetError
 # How long to wait, after [DONE], for the end of the engine's body so its connection can be
 # reused. The client's response is already complete; past this the connection is closed.
 _EOF_AFTER_DONE_S = 0.1
+
+
+def _unnoted(kind: str, engine_id: str | None, what: str) -> None:
+    """No timeline (a data plane built on its own, as in unit tests)."""
 
 
 class Gate(Protocol):
@@ -105,10 +110,11 @@ class Interrupted(Exception):
     """A leg failed after the client's stream began, and the stream can be continued
     (`dataplane/migration.py`); the engine has its evidence already."""
 
-    def __init__(self, failure: EngineFailure, cause: str) -> None:
+    def __init__(self, failure: EngineFailure, cause: str, engine_id: str) -> None:
         super().__init__(cause)
         self.failure = failure
         self.cause = cause
+        self.engine_id = engine_id  # the engine the stream left
 
 
 @dataclass(slots=True, eq=False)  # hashed by identity: a key of `_movable`
@@ -139,8 +145,12 @@ class DataPlane:
         stats: IntervalStats | None = None,
         timeline: Timeline | None = None,
         pool: Pool | None = None,
+        note: Note | None = None,
     ) -> None:
+        """`note` puts an event on the control process's timeline (telemetry/events.py):
+        migrations happen here, in the data plane."""
         self._fleet = fleet
+        self._note = note or _unnoted
         self._in_flight_counts = fleet.in_flight
         self._client = client
         self._evidence = evidence
@@ -496,6 +506,9 @@ class DataPlane:
         pair can, end the stream with the error event (DESIGN §1, "Migration")."""
         failure: Exception = interrupted.failure
         cause = interrupted.cause
+        left = interrupted.engine_id  # the engine whose stream this request last lost
+        record = exchange.record
+        assert record is not None
         rendered: str | None = None
         while splice.migrations < self._migration_limit and self._clock.monotonic() < deadline:
             if splice.needs_rendered_prompt and rendered is None:
@@ -511,9 +524,12 @@ class DataPlane:
             splice.migrations += 1
             self._migrations_by(cause, leg.kind).inc()
             splice.start_leg(leg)
-            record = exchange.record
-            assert record is not None
             record.migrations = splice.migrations
+            self._note(
+                "migration", left,
+                f"stream {record.request_id} continued after {splice.delivered} tokens "
+                f"({cause}, {leg.kind}, migration {splice.migrations})",
+            )  # fmt: skip
             if record.span is not None:
                 event = {"narwhal.cause": cause, "narwhal.kind": leg.kind}
                 record.span.add_event("migration", event)
@@ -528,7 +544,7 @@ class DataPlane:
                 continued = _continued(leg, model)
                 return await self._attempt(continued, exchange, deadline, attempt, tried)
             except Interrupted as exc:
-                failure, cause = exc.failure, exc.cause
+                failure, cause, left = exc.failure, exc.cause, exc.engine_id
                 continue
             except (EngineFailure, Saturated, NoCapacity, DeadlineExceeded, Moved) as exc:
                 failure, cause = exc, _reason(exc)  # before the continuation's first byte
@@ -544,6 +560,11 @@ class DataPlane:
             ok = await _finish(exchange, splice.ending(), until)
             return Streamed("ok" if ok else "deadline")
         self._migrated("lost").inc()
+        self._note(
+            "migration", left,
+            f"stream {record.request_id} lost after {splice.delivered} tokens and "
+            f"{splice.migrations} migrations ({cause})",
+        )  # fmt: skip
         return await self._error_event(exchange, failure, until)
 
     async def _rendered_chat(self, splice: Splice, deadline: float) -> str | None:
@@ -965,7 +986,7 @@ class DataPlane:
                         self._unmovable(engine.id, attempt)
         except TimeoutError:
             if attempt.moved:
-                return await self._moved(attempt, request_deadline)
+                return await self._moved(attempt, engine.id)
             if watch.writing_expired:
                 # The client stopped reading and let the request's deadline pass: not an
                 # engine's fault. Cut it off so its data connection and the engine's slot free.
@@ -978,9 +999,9 @@ class DataPlane:
                 failure = self._fail(
                     engine, leg, EngineFailure(FailureClass.STREAM, which, timed_out=True)
                 )
-            return await self._end_stream(exchange, attempt, failure, request_deadline)
+            return await self._end_stream(exchange, attempt, engine.id, failure, request_deadline)
         except EngineFailure as exc:
-            return await self._end_stream(exchange, attempt, exc, request_deadline)
+            return await self._end_stream(exchange, attempt, engine.id, exc, request_deadline)
         except ClientGone:
             return Streamed("client_disconnect")
         finally:
@@ -990,7 +1011,7 @@ class DataPlane:
             failure = self._fail(
                 engine, leg, EngineFailure(FailureClass.STREAM, "stream ended without [DONE]")
             )
-            return await self._end_stream(exchange, attempt, failure, request_deadline)
+            return await self._end_stream(exchange, attempt, engine.id, failure, request_deadline)
         assert resp is not None
         outcome = "ok"
         if scanner.error is not None:
@@ -1000,7 +1021,9 @@ class DataPlane:
             detail = scanner.error[:200].decode(errors="replace")
             failure = self._fail(engine, leg, EngineFailure(FailureClass.INFERENCE_STATUS, detail))
             if splice is not None:
-                return await self._end_stream(exchange, attempt, failure, request_deadline)
+                return await self._end_stream(
+                    exchange, attempt, engine.id, failure, request_deadline
+                )
             outcome = "upstream_error_midstream"
         else:
             self._succeed(engine, leg, SuccessKind.DECODE_DONE)
@@ -1026,7 +1049,7 @@ class DataPlane:
         if not streams:
             del self._movable[engine_id]
 
-    async def _moved(self, attempt: _Attempt, until: float) -> Result:
+    async def _moved(self, attempt: _Attempt, engine_id: str) -> Result:
         """The operator moved this stream off its engine: retried elsewhere before its first
         byte, continued elsewhere after it (`Interrupted`, with nothing charged)."""
         if not attempt.started:
@@ -1035,7 +1058,7 @@ class DataPlane:
         assert splice is not None
         splice.interrupted_s = splice.last_sent_s
         failure = EngineFailure(FailureClass.STREAM, "moved off for planned maintenance")
-        raise Interrupted(failure, "maintenance")
+        raise Interrupted(failure, "maintenance", engine_id)
 
     async def _open_stream(
         self, exchange: Exchange, deadline: float, splice: Splice | None, now: float
@@ -1061,6 +1084,7 @@ class DataPlane:
         self,
         exchange: Exchange,
         attempt: _Attempt,
+        engine_id: str,
         failure: Exception,
         until: float,
     ) -> Result:
@@ -1073,7 +1097,7 @@ class DataPlane:
         if splice is not None and isinstance(failure, EngineFailure):
             await self._evidence.settled()  # placement sees the failed engine paused
             splice.interrupted_s = splice.last_sent_s
-            raise Interrupted(failure, _cause(failure))
+            raise Interrupted(failure, _cause(failure), engine_id)
         return await self._error_event(exchange, failure, until)
 
     async def _error_event(self, exchange: Exchange, failure: Exception, until: float) -> Result:

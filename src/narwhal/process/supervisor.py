@@ -48,6 +48,7 @@ from narwhal.process.table import (
     WorkerTable,
 )
 from narwhal.state.lease import AdmissionWindow
+from narwhal.telemetry.events import Note
 from narwhal.telemetry.metrics import Metrics
 from narwhal.telemetry.timeline import Timeline
 
@@ -121,8 +122,11 @@ class Supervisor:
         metrics: Metrics,
         clock: Clock,
         runtime_dir: Path,
+        note: Note,
     ) -> None:
+        """`note` puts what workers report (migrations) on the event timeline."""
         self._config = config
+        self._note = note
         self.count = count
         self.table = table
         self._in_flight = in_flight
@@ -346,6 +350,8 @@ class Supervisor:
                 self._timeline.merge(*frame["timeline"])
             elif kind == "seen":
                 w.seen_version = frame["version"]
+            elif kind == "note":
+                self._note(str(frame["event"]), frame["engine"], str(frame["what"]))
             elif kind == "ready":
                 if w.ready is not None and not w.ready.done():
                     w.ready.set_result(frame["pid"])

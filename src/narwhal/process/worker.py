@@ -120,6 +120,9 @@ class Worker:
             stats=self.stats,
             timeline=self.timeline,
             pool=self.pool,
+            note=lambda event, engine, what: channel.send(
+                "note", event=event, engine=engine, what=what
+            ),
         )
         self.control_socket: str = hello["control_socket"]
         self._session: aiohttp.ClientSession | None = None  # to the control process

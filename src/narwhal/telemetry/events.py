@@ -2,26 +2,31 @@
 the fleet and the router, newest last, each with its reason.
 
 Kept in the control process, in memory, the last `capacity` events: engine transitions
-(ejections, holds and their release, readmissions, verification), membership changes, reloads
-and lease changes. Each event has a sequence number, so a follower asks for what came after
-the last one it saw.
+(ejections, holds and their release, readmissions, verification), membership changes, reloads,
+lease changes, and stream migrations (reported by the data plane, in whichever process). Each
+event has a sequence number, so a follower asks for what came after the last one it saw.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from narwhal.clock import Clock
+
+Note = Callable[[str, "str | None", str], None]
+"""Puts an event on the timeline (`EventLog.add`, or a worker's frame to it): kind, engine
+id or None, what happened."""
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     seq: int
     at: float  # wall clock
-    kind: str  # transition, membership, reload, lease
+    kind: str  # transition, membership, reload, lease, migration
     engine: str | None
     what: str
 
