@@ -256,6 +256,14 @@ def test_kv_roles_that_permit_the_role(role: str, kv_role: str) -> None:
     assert (cfg.engines[i].role, cfg.engines[i].effective_kv_role) == (role, kv_role)
 
 
+def test_embed_engines_transfer_no_kv_and_may_front_alone() -> None:
+    """A router of embed engines only serves embeddings only; their kv_role is `kv_none`."""
+    embed = {"id": "e0", "url": "http://127.0.0.1:9301", "role": "embed"}
+    cfg = parse_config({"model": "bge", "engines": [embed]})
+    assert cfg.engines[0].effective_kv_role is KvRole.NONE
+    assert cfg.engines[0].model == "bge"
+
+
 def test_config_is_frozen() -> None:
     cfg = parse_config(MINIMAL)
     with pytest.raises(ValidationError):
@@ -352,6 +360,16 @@ BAD = [
                  "engines[0].kv_role", "does not permit role both", id="producer-cannot-be-both"),
     pytest.param({"engines[2].role": "prefill", "engines[3].role": "prefill"}, "engines",
                  "no engine has role decode", id="no-decode-engine"),
+    pytest.param({"engines[3].role": "embed"}, "engines[3].role",
+                 "model 'demo-model' is served by generative engines already",
+                 id="embed-and-generative-engines-of-one-model"),
+    pytest.param({"engines[2].role": "embed", "engines[2].model": "e",
+                  "engines[3].role": "embed", "engines[3].model": "e"}, "engines",
+                 "no engine has role decode", id="embed-engines-are-no-decode-engines"),
+    pytest.param({"engines[0].role": "embed", "engines[0].kv_role": "kv_producer"},
+                 "engines[0].kv_role", "does not permit role embed", id="embed-with-a-kv-role"),
+    pytest.param({"engines[0].kv_role": "kv_none"}, "engines[0].kv_role",
+                 "does not permit role prefill", id="kv-none-cannot-prefill"),
     pytest.param({"engines[0].role": "decode", "engines[1].role": "decode"}, "engines",
                  "no engine has role prefill", id="no-prefill-engine"),
     pytest.param({"engines": []}, "engines", "at least one engine", id="no-engines"),

@@ -10,7 +10,7 @@ import ipaddress
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
@@ -43,12 +43,18 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
+    # An engine that serves `/v1/embeddings` (a pooling model): no PD, no KV transfer.
+    EMBED = "embed"
+
+
+GENERATIVE = frozenset({Role.PREFILL, Role.DECODE, Role.BOTH})
 
 
 class KvRole(StrEnum):
     PRODUCER = "kv_producer"
     CONSUMER = "kv_consumer"
     BOTH = "kv_both"
+    NONE = "kv_none"  # an embed engine's: it transfers no KV
 
 
 class _Section(BaseModel):
@@ -89,11 +95,13 @@ DEFAULT_KV_ROLE = {
     Role.PREFILL: KvRole.PRODUCER,
     Role.DECODE: KvRole.CONSUMER,
     Role.BOTH: KvRole.BOTH,
+    Role.EMBED: KvRole.NONE,
 }
 KV_ROLE_PERMITS = {
     KvRole.PRODUCER: frozenset({Role.PREFILL}),
     KvRole.CONSUMER: frozenset({Role.DECODE}),
     KvRole.BOTH: frozenset({Role.PREFILL, Role.DECODE, Role.BOTH}),
+    KvRole.NONE: frozenset({Role.EMBED}),
 }
 
 
@@ -154,6 +162,21 @@ class EngineConfig(_Section):
         if self.api_key_env is not None:
             return os.environ.get(self.api_key_env)
         return self.api_key
+
+
+def embed_mix_problem(engines: Sequence[EngineConfig]) -> str | None:
+    """A model is served by embed engines or by generative ones, never both (a vLLM engine
+    runs one task): the line naming the first engine that mixes them, else None."""
+    kinds: dict[str | None, bool] = {}
+    for i, eng in enumerate(engines):
+        embed = eng.role is Role.EMBED
+        if kinds.setdefault(eng.model, embed) is not embed:
+            return (
+                f"engines[{i}].role: model {eng.model!r} is served by "
+                f"{'generative' if embed else 'embed'} engines already; a model's engines "
+                "either all embed or all generate"
+            )
+    return None
 
 
 class ServingConfig(_Section):
@@ -542,6 +565,9 @@ class Config(_Section):
                     f"engines[{i}].api: {eng.api} differs from engines[0].api "
                     f"{self.fleet_api}; a fleet speaks one engine API"
                 )
+        problem = embed_mix_problem(self.engines)
+        if problem is not None:
+            raise ValueError(problem)
         for i, source in enumerate(self.discovery.dns):
             if source.api != self.fleet_api:
                 raise ValueError(
@@ -562,9 +588,11 @@ class Config(_Section):
             if workers > self.serving.max_connections:
                 raise ValueError("serving.workers: exceeds serving.max_connections")
         roles = {e.role for e in self.engines} | {d.role for d in self.discovery.dns}
+        roles &= GENERATIVE  # a router of embed engines alone serves embeddings alone
         # A discovery file may bring any role: /ready judges the fleet once it is read.
         if (
             self.discovery.file is None
+            and roles
             and Role.BOTH not in roles
             and roles != {Role.PREFILL, Role.DECODE}
         ):

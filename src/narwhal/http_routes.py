@@ -36,6 +36,10 @@ def add_routes(app: web.Application, router: Router) -> None:
         exchange = AiohttpExchange(request)
         return exchange.response(await dataplane.handle("chat", exchange))
 
+    async def embeddings(request: web.Request) -> web.StreamResponse:
+        exchange = AiohttpExchange(request)
+        return exchange.response(await dataplane.handle("embeddings", exchange))
+
     def passthrough(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             exchange = AiohttpExchange(request)
@@ -239,6 +243,7 @@ def add_routes(app: web.Application, router: Router) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/tokenize", passthrough("/tokenize"))
     app.router.add_post("/detokenize", passthrough("/detokenize"))
     app.router.add_get("/health", health)

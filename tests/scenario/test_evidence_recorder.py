@@ -53,6 +53,7 @@ CLEARING: dict[SuccessKind, frozenset[FailureClass]] = {
     SuccessKind.PREFILL_HANDOFF: frozenset({C.CONNECTION, C.INFERENCE_STATUS, C.KV_HANDOFF}),
     SuccessKind.PREFILL_FINISHED: frozenset({C.CONNECTION, C.INFERENCE_STATUS}),
     SuccessKind.DECODE_DONE: frozenset({C.CONNECTION, C.INFERENCE_STATUS, C.STREAM}),
+    SuccessKind.EMBEDDED: frozenset({C.CONNECTION, C.INFERENCE_STATUS}),
 }
 
 

@@ -11,8 +11,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from narwhal.config import Role
-from narwhal.fleet.readiness import ready_reason
+from narwhal.clock import FakeClock
+from narwhal.config import Role, parse_config
+from narwhal.fleet.events import EjectRequested
+from narwhal.fleet.readiness import fleet_ready_reason, ready_reason
+from narwhal.fleet.reducer import Policy
+from narwhal.fleet.store import Fleet
+from tests.support.fleet import verify_all
 
 LEASE = "standby: lease held by router-a"
 FENCED = "fenced: lease lost"
@@ -106,3 +111,43 @@ def test_ready_reason_does_not_mutate_its_input() -> None:
     roles = [B, D, P]
     ready_reason(None, None, roles)
     assert roles == [B, D, P]
+
+
+# ------------------------------------------------------------- an embeddings model (issue 20)
+
+
+def _fleet_with_embeddings(*engines: dict[str, str]) -> Fleet:
+    cfg = parse_config({"model": "demo-model", "engines": list(engines)})
+    return verify_all(Fleet(cfg.engines, FakeClock(), Policy.of(cfg.recovery)))
+
+
+PD = (
+    {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill"},
+    {"id": "d0", "url": "http://127.0.0.1:9101", "role": "decode"},
+)
+E0 = {"id": "e0", "url": "http://127.0.0.1:9301", "role": "embed", "model": "bge"}
+
+
+def test_an_embeddings_model_needs_its_embed_engines_and_nothing_else() -> None:
+    fleet = _fleet_with_embeddings(*PD, E0)
+    assert fleet.needed_roles("bge") == (Role.EMBED,)
+    assert fleet.needed_roles("demo-model") == (P, D)
+    assert fleet_ready_reason(None, None, fleet, 0.0) is None
+    fleet.apply(EjectRequested("e0", "connection", "test"), 0.0)
+    assert fleet_ready_reason(None, None, fleet, 0.0) == "no capacity: embed (model bge)"
+    assert [c.id for c in fleet.candidates(P, 0.0, "demo-model")] == ["p0"]
+
+
+def test_a_unified_engine_never_serves_embeddings_and_embed_engines_never_generate() -> None:
+    both = {"id": "b0", "url": "http://127.0.0.1:9001", "role": "both", "kv_role": "kv_both"}
+    fleet = _fleet_with_embeddings(both, E0)
+    assert fleet.needed_roles() == (B,)  # the embed engine is not a generative one
+    assert [c.id for c in fleet.candidates(Role.EMBED, 0.0)] == ["e0"]
+    assert [c.id for c in fleet.candidates(B, 0.0)] == ["b0"]
+    assert [c.id for c in fleet.candidates(P, 0.0)] == ["b0"]
+
+
+def test_an_embed_router_alone_waits_for_a_verified_embed_engine() -> None:
+    cfg = parse_config({"model": "bge", "engines": [E0]})
+    fleet = Fleet(cfg.engines, FakeClock(), Policy.of(cfg.recovery))
+    assert fleet_ready_reason(None, None, fleet, 0.0) == "starting: no verified embed engine"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 
 import aiohttp
 import pytest
@@ -170,3 +172,32 @@ async def test_above_max_concurrency_completions_get_a_429(sim_factory: SimFacto
     # A client that leaves frees its slot (the handler is cancelled).
     await eventually(lambda: sim.get_json("/v1/loads")["running"] == 0, what="slots freed")
     assert complete(sim, body)["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_embed_engine_serves_embeddings_and_refuses_completions(
+    sim_factory: SimFactory,
+) -> None:
+    """`--role embed` is a pooling model: a unit vector per input, the same for the same
+    input, as floats or as base64 little-endian float32; no completions."""
+    sim = sim_factory("--role", "embed", "--model", "bge")
+    status, got = post(sim, "/v1/embeddings", {"model": "bge", "input": ["a b", "c", "a b"]})
+    assert status == 200
+    vectors = [d["embedding"] for d in got["data"]]
+    assert [d["index"] for d in got["data"]] == [0, 1, 2]
+    assert vectors[0] == vectors[2] != vectors[1]
+    assert abs(sum(x * x for x in vectors[0]) - 1) < 1e-9
+    assert got["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    status, packed = post(sim, "/v1/embeddings", {"input": "a b", "encoding_format": "base64"})
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    assert struct.unpack("<16f", raw) == pytest.approx(vectors[0], rel=1e-6)
+    status, short = post(sim, "/v1/embeddings", {"input": "a b", "dimensions": 4})
+    assert len(short["data"][0]["embedding"]) == 4
+    status, refused = post(sim, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert status == 400 and "does not support Completions" in refused["error"]["message"]
+    status, bad = post(sim, "/v1/embeddings", {"input": 3})
+    assert status == 400 and bad["error"]["param"].startswith("input")
+
+
+def test_a_generative_engine_refuses_embeddings(unified: SimProcess) -> None:
+    status, refused = post(unified, "/v1/embeddings", {"input": "x"})
+    assert status == 400 and "does not support Embeddings" in refused["error"]["message"]

@@ -92,9 +92,15 @@ def test_clears_matches_the_spec_row(kind: SuccessKind, expected: frozenset[Fail
     assert CLEARS[kind] == expected
 
 
-def test_clears_has_only_the_spec_rows_and_the_finished_prefill() -> None:
-    assert set(CLEARS) == {kind for _, kind, _ in SPEC_CLEARS} | {SuccessKind.PREFILL_FINISHED}
+def test_clears_has_only_the_spec_rows_the_finished_prefill_and_embeddings() -> None:
+    extra = {SuccessKind.PREFILL_FINISHED, SuccessKind.EMBEDDED}
+    assert set(CLEARS) == {kind for _, kind, _ in SPEC_CLEARS} | extra
     assert set(CLEARS) == set(SuccessKind)
+
+
+def test_an_embeddings_answer_clears_what_any_client_visible_success_clears() -> None:
+    # Not a spec row: a whole 200 with no stream or handoff in it, like a finished prefill.
+    assert CLEARS[SuccessKind.EMBEDDED] == CLEARS[SuccessKind.PREFILL_FINISHED]
 
 
 def test_finished_prefill_clears_no_more_than_a_prefill_with_handoff() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import quote
 
 from narwhal.cli.progress import follow
+from narwhal.config import KvRole, Role
 
 EXIT_OK, EXIT_ERROR = 0, 1
 
@@ -22,9 +23,11 @@ def add_parsers(engines: argparse.ArgumentParser, common: list[argparse.Argument
     sub = engines.add_subparsers(dest="engines_command")
     add = sub.add_parser("add", parents=common, help="add an engine to the running fleet")
     add.add_argument("engine_id")
-    add.add_argument("url")
-    add.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
-    add.add_argument("--kv-role", choices=["kv_producer", "kv_consumer", "kv_both"])
+    # Not `url`: that is the router's (`--url`), which would be overwritten.
+    add.add_argument("engine_url", metavar="url", help="the engine's base URL")
+    add.add_argument("--role", required=True, choices=[r.value for r in Role])
+    add.add_argument("--kv-role", choices=[r.value for r in KvRole])
+    add.add_argument("--model", help="the model it serves (default: the router's `model`)")
     add.add_argument("--api", choices=["vllm", "llamacpp"])
     add.add_argument("--api-key-env", help="the environment variable holding its API key")
     add.add_argument("--slot-save-path", help="llamacpp: the shared --slot-save-path")
@@ -46,8 +49,8 @@ def add_parsers(engines: argparse.ArgumentParser, common: list[argparse.Argument
 
 def run(args: argparse.Namespace, call: Call, message: Callable[[Any], str]) -> int:
     if args.engines_command == "add":
-        body = {"id": args.engine_id, "url": args.url, "role": args.role}
-        for key in ("kv_role", "api", "api_key_env", "slot_save_path"):
+        body = {"id": args.engine_id, "url": args.engine_url, "role": args.role}
+        for key in ("kv_role", "model", "api", "api_key_env", "slot_save_path"):
             if getattr(args, key) is not None:
                 body[key] = getattr(args, key)
         status, answer = call("POST", "/admin/engines", body)

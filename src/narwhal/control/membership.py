@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from narwhal.clock import Clock
-from narwhal.config import EngineConfig
+from narwhal.config import EngineConfig, embed_mix_problem
 from narwhal.fleet.events import Leaving, Relocated
 from narwhal.fleet.store import Fleet
 from narwhal.telemetry.metrics import Metrics
@@ -127,6 +127,10 @@ class Membership:
                 f"api: {config.api} differs from the fleet's {self.api}; a fleet speaks one "
                 "engine API"
             )
+        members = [e.config for e in self.fleet if e.leaving is None]
+        problem = embed_mix_problem([*members, config])
+        if problem is not None:
+            raise MembershipConflict(problem.split(": ", 1)[1])
 
     def add(self, config: EngineConfig, source: str, origin: str | None = None) -> None:
         """Add an engine; its origin is `source`'s (`reload`: `config`) unless given."""

@@ -1,4 +1,5 @@
-"""Inference probes: a tiny real PD round trip over the control pool.
+"""Inference probes: a tiny real PD round trip over the control pool (for an embed engine,
+one embeddings request).
 
 A probed prefill engine runs the prefill leg and a healthy decode peer consumes its
 handoff; a probed decode engine consumes a healthy prefill peer's handoff (decode engines
@@ -153,6 +154,9 @@ class InferenceProber:
     async def probe(self, engine: EngineState) -> ProbeResult:
         """One probe; never raises for engine trouble."""
         try:
+            if engine.role is Role.EMBED:
+                await self.embed(engine)
+                return ProbeResult(Verdict.OK, "answered an embeddings request")
             if engine.role is Role.BOTH:
                 await self.decode_leg(engine, self.unified_body(engine))
                 return ProbeResult(Verdict.OK, "unified leg completed")
@@ -250,6 +254,31 @@ class InferenceProber:
         reason = adapter.recomputed(last)
         if reason is not None:
             raise HandoffRefused(reason)
+
+    async def embed(self, engine: EngineState) -> None:
+        """An embed engine's inference check: one embeddings request must come back with a
+        vector (an embed engine has no PD round trip to run)."""
+        body = {"model": engine.model or self._cfg.model, "input": PROBE_PROMPT}
+        reply = await self._client.post(
+            PoolKind.CONTROL,
+            engine.config.url + "/v1/embeddings",
+            orjson.dumps(body),
+            self._headers(engine),
+            self._cfg.engine.probe_timeout_s,
+        )
+        if reply.status != 200:
+            cls = classify_status(reply.status) or FailureClass.INFERENCE_STATUS
+            raise EngineFailure(
+                cls, f"embeddings answered HTTP {reply.status}", status=reply.status
+            )
+        try:
+            vector = orjson.loads(reply.body)["data"][0]["embedding"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            raise EngineFailure(
+                FailureClass.INFERENCE_STATUS, f"embeddings answer unreadable: {exc!r}"
+            ) from None
+        if not vector:
+            raise EngineFailure(FailureClass.INFERENCE_STATUS, "embeddings answer has no vector")
 
     async def discard(self, producer: EngineState, handoff: object) -> None:
         await self._adapters(producer.config).discard(producer.config, handoff)

@@ -252,6 +252,9 @@ class Readmission:
             return False, f"kv_role {kv_role.value} does not permit role {role.value}"
         prober = self._prober
         try:
+            if role is Role.EMBED:
+                await prober.embed(engine)
+                return True, "transfers no KV (embed engine); answered an embeddings request"
             if role is Role.PREFILL:
                 await prober.discard(engine, await prober.prefill_leg(engine))
                 return True, "produced a readable handoff"

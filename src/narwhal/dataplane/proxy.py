@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 
@@ -27,7 +27,13 @@ from narwhal.dataplane.migration import Continuation, Splice, migratable
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.record import TRACE_HEADERS, RequestRecord, client_request_id
-from narwhal.dataplane.requests import BadRequest, ClientRequest, parse_request
+from narwhal.dataplane.requests import (
+    BadRequest,
+    ClientRequest,
+    EmbeddingsRequest,
+    parse_embeddings,
+    parse_request,
+)
 from narwhal.dataplane.sse import SseScanner
 from narwhal.dataplane.tokens import TokenBudget
 from narwhal.dataplane.watchdog import ReadWatchdog
@@ -71,6 +77,10 @@ _EOF_AFTER_DONE_S = 0.1
 
 def _unnoted(kind: str, engine_id: str | None, what: str) -> None:
     """No timeline (a data plane built on its own, as in unit tests)."""
+
+
+Route = Endpoint | Literal["embeddings"]
+"""What `handle` serves: a PD generation, or embeddings (passed to an embed engine)."""
 
 
 class Gate(Protocol):
@@ -236,7 +246,7 @@ class DataPlane:
         return len(streams)
 
     # ---------------------------------------------------------------- entry point
-    async def handle(self, endpoint: Endpoint, exchange: Exchange) -> Result:
+    async def handle(self, endpoint: Route, exchange: Exchange) -> Result:
         """Serve one request; the server sends an `Answer` once this returns. Every answer
         carries the request's id (`X-Request-Id`)."""
         start = self._clock.monotonic()
@@ -370,7 +380,7 @@ class DataPlane:
         if self._tracer is not None:
             await asyncio.to_thread(self._tracer.shutdown)
 
-    def _record(self, endpoint: Endpoint, exchange: Exchange) -> RequestRecord:
+    def _record(self, endpoint: Route, exchange: Exchange) -> RequestRecord:
         """The request's id (the client's `X-Request-Id` when usable) and trace context."""
         client = client_request_id(exchange.header("x-request-id"))
         request_id = client or self._new_id()
@@ -382,12 +392,16 @@ class DataPlane:
                 record.trace[name] = value
         return record
 
-    async def _handle(self, endpoint: Endpoint, exchange: Exchange, start: float) -> Result:
+    async def _handle(self, endpoint: Route, exchange: Exchange, start: float) -> Result:
         # The body first: a request that is wrong whatever the router's state gets its 4xx
         # even while admission is closed (a 503 would tell the client to retry it as is).
         try:
             raw = await self._read_body(exchange)
-            req = parse_request(endpoint, raw, self._cfg.model)
+            req: ClientRequest | EmbeddingsRequest
+            if endpoint == "embeddings":
+                req = parse_embeddings(raw, self._cfg.model)
+            else:
+                req = parse_request(endpoint, raw, self._cfg.model)
             if exchange.record is not None:
                 exchange.record.model = req.model
             if req.model is not None and not self._fleet.knows_model(req.model):
@@ -427,6 +441,8 @@ class DataPlane:
                 retry_after_s=1,
             )
         try:
+            if isinstance(req, EmbeddingsRequest):
+                return await self._embed(req, exchange, deadline)
             return await self._serve(req, exchange, deadline)
         finally:
             self.pool.release()
@@ -492,6 +508,74 @@ class DataPlane:
             except DeadlineExceeded:
                 return error_answer(504, "request deadline exceeded", "timeout", "deadline")
         return _failure_response(last)
+
+    async def _embed(self, req: EmbeddingsRequest, exchange: Exchange, deadline: float) -> Answer:
+        """`/v1/embeddings`: the client's body, as it is, to an embed engine of its model, no
+        PD. Its outcome is evidence like any leg's; under `bounded` a failed attempt is
+        retried on another engine (an embedding has no side effects)."""
+        if self._fleet.needed_roles(req.model) != (Role.EMBED,):
+            message = f"The model `{req.model}` does not serve embeddings"
+            refused = BadRequest(400, message, param="model", code="model_not_supported")
+            return _bad_request(refused)
+        attempts = self._serving.max_attempts if self._serving.policy == "bounded" else 1
+        record = exchange.record
+        assert record is not None  # `handle` made it
+        tried: set[str] = set()
+        last: Exception | None = None
+        for number in range(attempts):
+            if number and self._clock.monotonic() >= deadline:
+                break
+            attempt = _Attempt(record.next_attempt_id(), record.trace)
+            try:
+                with (
+                    self._placed(Role.EMBED, tried, req.model) as engine,
+                    self._traced(exchange, attempt, "embed", engine.id),
+                ):
+                    self._placed_on(exchange, None, engine.id)
+                    return await self._embed_leg(req, deadline, attempt, engine)
+            except ClientError as exc:
+                content_type = exc.content_type or "application/json"
+                return Answer(exc.status, exc.body, content_type, "client_error")
+            except (EngineFailure, Saturated) as exc:
+                last = exc
+                if number + 1 < attempts:
+                    self._metrics.retries.labels(_reason(exc)).inc()
+            except NoCapacity as exc:
+                return error_answer(
+                    503, str(exc), "service_unavailable", "no_capacity", retry_after_s=1
+                )
+            except DeadlineExceeded:
+                return error_answer(504, "request deadline exceeded", "timeout", "deadline")
+        return _failure_response(last)
+
+    async def _embed_leg(
+        self, req: EmbeddingsRequest, deadline: float, attempt: _Attempt, engine: EngineState
+    ) -> Answer:
+        """One embed engine's answer. The engine has `first_token_timeout_s` to answer whole
+        (an embedding is one forward pass, like a first token); when the request's own
+        deadline is nearer, running out is the request's, not the engine's."""
+        remaining = deadline - self._clock.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded()
+        timeout_s = min(self._serving.first_token_timeout_s, remaining)
+        config = engine.config
+        headers = engine_headers(self._key(config), attempt.request_id, attempt.trace)
+        try:
+            reply = await self._client.post(
+                PoolKind.DATA, config.url + "/v1/embeddings", req.raw, headers, timeout_s
+            )
+        except EngineFailure as exc:
+            if exc.failure_class is FailureClass.TIMEOUT and timeout_s < (
+                self._serving.first_token_timeout_s
+            ):
+                raise DeadlineExceeded() from None
+            raise self._fail(engine, "embed", exc) from None
+        if reply.status != 200:
+            raise self._status_failure(
+                engine, "embed", reply.status, reply.body, reply.content_type
+            )
+        self._succeed(engine, "embed", SuccessKind.EMBEDDED)
+        return Answer(200, reply.body, reply.content_type or "application/json", "ok")
 
     async def _migrate(
         self,
@@ -694,6 +778,11 @@ class DataPlane:
     ) -> Result:
         model = req.model
         roles = self._fleet.needed_roles(model)
+        if roles == (Role.EMBED,):
+            raise BadRequest(
+                400, f"The model `{model}` serves embeddings only (/v1/embeddings)",
+                param="model", code="model_not_supported",
+            )  # fmt: skip
         if roles == (Role.BOTH,):
             with (
                 self._placed(Role.BOTH, tried, model) as engine,

@@ -160,3 +160,49 @@ def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientR
         message_count=message_count,
         model=model,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingsRequest:
+    """`/v1/embeddings`: passed to an embed engine as the client sent it."""
+
+    raw: bytes
+    model: str
+
+
+def parse_embeddings(raw: bytes, default_model: str) -> EmbeddingsRequest:
+    """What the router needs to know before it passes an embeddings request on: a JSON
+    object, its model, and an input (OpenAI's `input`, or vLLM's chat-style `messages`). The
+    engine judges the rest and its 4xx is the client's."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    model = body.get("model", default_model)
+    if not isinstance(model, str):
+        raise BadRequest(400, "'model' must be a string", param="model")
+    if "input" not in body and "messages" not in body:
+        raise BadRequest(400, "'input' is required", param="input")
+    inputs = body.get("input")
+    if "input" in body and not _embeddable(inputs):
+        raise BadRequest(
+            400,
+            "'input' must be a string, a list of strings, a list of token ids, or a list of "
+            "lists of token ids, and not empty",
+            param="input",
+        )
+    return EmbeddingsRequest(raw, model)
+
+
+def _embeddable(inputs: Any) -> bool:
+    if isinstance(inputs, str):
+        return True
+    if not isinstance(inputs, list) or not inputs:
+        return False
+    return (
+        all(isinstance(i, str) for i in inputs)
+        or all(_is_int(t) for t in inputs)
+        or all(isinstance(i, list) and i and all(_is_int(t) for t in i) for i in inputs)
+    )

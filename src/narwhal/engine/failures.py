@@ -26,6 +26,7 @@ class SuccessKind(StrEnum):
     PREFILL_HANDOFF = "prefill_handoff"
     PREFILL_FINISHED = "prefill_finished"
     DECODE_DONE = "decode_done"
+    EMBEDDED = "embedded"  # an embed engine answered 200
 
 
 CLEARS: dict[SuccessKind, frozenset[FailureClass]] = {
@@ -44,6 +45,8 @@ CLEARS: dict[SuccessKind, frozenset[FailureClass]] = {
     SuccessKind.DECODE_DONE: frozenset(
         {FailureClass.CONNECTION, FailureClass.INFERENCE_STATUS, FailureClass.STREAM}
     ),
+    # A whole embeddings answer: a client-visible success with no stream or handoff in it.
+    SuccessKind.EMBEDDED: frozenset({FailureClass.CONNECTION, FailureClass.INFERENCE_STATUS}),
 }
 """What each success clears. Health 200 also resets the separate liveness counter."""
 

@@ -2,7 +2,7 @@
 
 Precedence (first that applies wins): the lease (standby or fenced), monitoring degraded,
 then `starting: no verified <role> engine` per role (a role no verified engine serves yet,
-DESIGN §10), then capacity per role; roles in the order prefill, decode, both. With several
+DESIGN §10), then capacity per role; roles in the order prefill, decode, both, embed. With several
 models, `/ready` is 200 only while every model has capacity; a model's line ends with
 ` (model NAME)`, models in name order. One model: the lines are as they always were.
 """
@@ -17,7 +17,7 @@ from narwhal.config import Role
 if TYPE_CHECKING:
     from narwhal.fleet.store import Fleet
 
-ROLE_ORDER = (Role.PREFILL, Role.DECODE, Role.BOTH)
+ROLE_ORDER = (Role.PREFILL, Role.DECODE, Role.BOTH, Role.EMBED)
 
 
 def starting_reason(role: Role) -> str:

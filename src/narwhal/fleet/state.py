@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from narwhal.config import EngineConfig, Role
+from narwhal.config import GENERATIVE, EngineConfig, Role
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.holds import Hold, HoldName
 
@@ -75,7 +75,7 @@ class EngineState:
         return self.config.id
 
     def serves(self, role: Role) -> bool:
-        return self.role is role or self.role is Role.BOTH
+        return self.role is role or (self.role is Role.BOTH and role in GENERATIVE)
 
     @property
     def model(self) -> str | None:

@@ -197,10 +197,13 @@ class Fleet:
         return (Role.PREFILL, Role.DECODE) if engine.role is Role.BOTH else (engine.role,)
 
     def needed_roles(self, model: str | None = None) -> tuple[Role, ...]:
-        """Roles a request needs: both legs for a PD fleet, one for a unified fleet (of
-        `model`'s engines, when given)."""
+        """Roles a request needs: both legs for a PD fleet, one for a unified fleet or an
+        embeddings model (of `model`'s engines, when given)."""
         engines = [e for e in self._engines.values() if e.serves_model(model)]
-        if engines and all(e.role is Role.BOTH for e in engines):
+        if engines and all(e.role is Role.EMBED for e in engines):
+            return (Role.EMBED,)
+        generative = [e for e in engines if e.role is not Role.EMBED]
+        if generative and all(e.role is Role.BOTH for e in generative):
             return (Role.BOTH,)
         return (Role.PREFILL, Role.DECODE)
 

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from narwhal.fleet.inflight import Choose
 
 COMPLETIONS, CHAT, POOL_IN_USE, POOL_WAITING = 0, 1, 2, 3
-TURN_COLUMN = {"prefill": 4, "decode": 5, "both": 6}
+TURN_COLUMN = {"prefill": 4, "decode": 5, "both": 6, "embed": 9}
 SOCKETS_OPEN, SOCKETS_WANTED = 7, 8
-_FIXED = 9
+_FIXED = 10
 ENGINE_COLUMNS = 1024  # the most engines one router fronts at once
 ENDPOINT_COLUMN = {"completions": COMPLETIONS, "chat": CHAT}
 

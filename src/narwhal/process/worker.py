@@ -201,6 +201,11 @@ class Worker:
 
             return handle
 
+        async def embeddings(request: ServerRequest) -> None:
+            result = await dataplane.handle("embeddings", request)
+            if isinstance(result, Answer):  # always: embeddings are never streamed
+                request.answer(result)
+
         def passthrough(path: str) -> Handler:
             async def handle(request: ServerRequest) -> None:
                 request.answer(await dataplane.passthrough(path, request))
@@ -234,6 +239,7 @@ class Worker:
             "/v1/completions": {"POST": endpoint("completions")},
             "/v1/chat/completions": {"POST": endpoint("chat")},
             "/v1/models": {"GET": models},
+            "/v1/embeddings": {"POST": embeddings},
             "/tokenize": {"POST": passthrough("/tokenize")},
             "/detokenize": {"POST": passthrough("/detokenize")},
             "/health": {"GET": health},

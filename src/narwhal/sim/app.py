@@ -13,6 +13,9 @@ from pydantic import ValidationError
 
 from narwhal import __version__
 from narwhal.clock import Clock
+from narwhal.sim.config import Role
+from narwhal.sim.embeddings import EmbeddingsBody
+from narwhal.sim.embeddings import answer as embeddings_answer
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.faults import Fault, FaultBook, FaultKind, FaultSpec
 from narwhal.sim.latency import Sleeper, pause
@@ -67,6 +70,7 @@ class SimApp:
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/v1/embeddings", self.embeddings)
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
         for path in ("/model_info", "/get_model_info"):
@@ -180,10 +184,47 @@ class SimApp:
             code = status.spec.status or 500
             return error_response(RequestError(code, f"narwhal-sim injected status {code}"))
         try:
+            if self._config.role is Role.EMBED:
+                api = "Chat Completions" if chat else "Completions"
+                raise RequestError(400, f"The model does not support {api} API")
             if not isinstance(doc, dict):
                 raise RequestError(400, "the body is not a JSON object")
             with self._engine.admitted():
                 return await self._generate(request, doc, chat, leg)
+        except RequestError as err:
+            return error_response(err)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's `/v1/embeddings` for a pooling model (`--role embed`); faults act on it
+        as on an unified leg."""
+        raw = await request.read()
+        try:
+            doc: Any = json.loads(raw)
+        except ValueError:
+            doc = None
+        leg = Leg.UNIFIED
+        self._log.record(
+            request.path, request.headers, raw.decode(errors="replace") if doc is None else doc, leg
+        )
+        self._metrics.count_request(leg)
+        if self._faults.fire(FaultKind.RESET_CONNECTIONS, leg):
+            return _reset(request)
+        if status := self._faults.fire(FaultKind.COMPLETION_STATUS, leg):
+            code = status.spec.status or 500
+            return error_response(RequestError(code, f"narwhal-sim injected status {code}"))
+        try:
+            if self._config.role is not Role.EMBED:
+                raise RequestError(400, "The model does not support Embeddings API")
+            body = parse(EmbeddingsBody, doc)
+            self._check_model(body.model)
+            if stall := self._faults.fire(FaultKind.STALL_FIRST_TOKEN, leg):
+                await pause(self._sleeper, stall.spec.delay_s)
+            with self._engine.admitted():
+                request_id = request.headers.get("X-Request-Id") or self._engine.new_id()
+                created = int(self._clock.wall())
+                return json_response(
+                    embeddings_answer(body, self._model_name(leg), request_id, created)
+                )
         except RequestError as err:
             return error_response(err)
 
@@ -259,7 +300,7 @@ class SimApp:
             {
                 "model_path": c.model,
                 "tokenizer_path": c.model,
-                "is_generation": True,
+                "is_generation": c.role is not Role.EMBED,
                 "max_model_len": c.max_model_len,
             }
         )

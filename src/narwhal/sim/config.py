@@ -12,6 +12,7 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
+    EMBED = "embed"  # a pooling model: serves /v1/embeddings, and no completions
 
 
 class KvRole(StrEnum):
