@@ -6,10 +6,11 @@ import pytest
 
 from tests.support.etcd import etcd_server
 from tests.support.http import http
+from tests.support.llama import bins, slot_dir
 from tests.support.router import start_router
 from tests.support.sim_process import sim_factory
 
-__all__ = ["etcd_server", "http", "sim_factory", "start_router"]
+__all__ = ["bins", "etcd_server", "http", "sim_factory", "slot_dir", "start_router"]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

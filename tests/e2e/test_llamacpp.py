@@ -23,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.llama import LlamaBinaries, LlamaServer, llama_binaries
+from tests.support.llama import LlamaBinaries, LlamaServer
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 
@@ -35,16 +35,6 @@ SECTIONS: dict[str, Any] = {
     "engine": {"health_timeout_s": 2.0, "probe_timeout_s": 30.0},
     "controller": {"monitor_interval_s": 0.2},
 }
-
-
-@pytest.fixture(scope="module")
-def bins() -> LlamaBinaries:
-    return llama_binaries()
-
-
-@pytest.fixture(scope="module")
-def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("slots")
 
 
 @pytest.fixture(scope="module")

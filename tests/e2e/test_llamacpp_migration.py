@@ -20,7 +20,7 @@ import pytest
 
 from tests.e2e.test_llamacpp import SECTIONS, engine
 from tests.support.http import metric
-from tests.support.llama import LlamaBinaries, LlamaServer, llama_binaries
+from tests.support.llama import LlamaBinaries, LlamaServer
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 
@@ -28,16 +28,6 @@ pytestmark = [pytest.mark.llama, pytest.mark.slow]
 
 TOKENS = 40
 KILL_AT = 6  # chunks with text the client has when the decode server is killed
-
-
-@pytest.fixture(scope="module")
-def bins() -> LlamaBinaries:
-    return llama_binaries()
-
-
-@pytest.fixture(scope="module")
-def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("slots")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.support.etcd import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +28,18 @@ MODEL_ALIAS = "demo-model"
 class LlamaBinaries:
     server: Path
     model: Path
+
+
+@pytest.fixture(scope="session")
+def bins() -> LlamaBinaries:
+    """llama-server and its model, for every llama test of the session."""
+    return llama_binaries()
+
+
+@pytest.fixture(scope="module")
+def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `--slot-save-path` a module's servers share."""
+    return tmp_path_factory.mktemp("slots")
 
 
 def llama_binaries() -> LlamaBinaries:
@@ -52,8 +66,10 @@ class LlamaServer:
         swa_full: bool = True,
         parallel: int = 2,
         start_timeout_s: float = 120.0,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.bins = bins
+        self.extra_args = extra_args
         self.slot_dir = slot_dir
         self.swa_full = swa_full
         self.parallel = parallel
@@ -77,6 +93,7 @@ class LlamaServer:
         ]  # fmt: skip
         if self.swa_full:
             cmd.append("--swa-full")
+        cmd.extend(self.extra_args)
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
