@@ -149,7 +149,7 @@ BAD_BODIES = [
      _j({"model": MODEL, "prompt": "x", "stream": True, "stream_options": [1]}), 400,
      "stream_options"),
     ("model-number", C, _j({"model": 5, "prompt": "x"}), 400, "model"),
-    ("n-two", C, _j({"model": MODEL, "prompt": "x", "n": 2}), 400, "n"),
+    ("n-two-streamed", C, _j({"model": MODEL, "prompt": "x", "n": 2, "stream": True}), 400, "n"),
     ("unknown-model", C, _j({"model": "gpt-4o", "prompt": "x"}), 404, "model"),
     ("unknown-model-chat", CHAT, _j({"model": "other", "messages": OK_MESSAGES}), 404, "model"),
 ]  # fmt: skip

@@ -60,9 +60,12 @@ BAD: list[tuple[str, Endpoint, Any, int, str | None]] = [
     ("max-tokens-negative", "completions", _c(max_tokens=-5), 400, "max_tokens"),
     ("max-tokens-zero-chat", "chat", _chat(max_tokens=0), 400, "max_tokens"),
     ("max-completion-tokens-zero", "chat", _chat(max_completion_tokens=0), 400, None),
-    # n != 1
-    ("n-two", "completions", _c(n=2), 400, "n"),
+    # n: served as parts, not streamed (dataplane/fanout.py)
+    ("n-two-streamed", "completions", _c(n=2, stream=True), 400, "n"),
+    ("n-two-streamed-chat", "chat", _chat(n=2, stream=True), 400, "n"),
     ("n-zero", "chat", _chat(n=0), 400, "n"),
+    ("n-too-many", "completions", _c(n=1025), 400, "n"),
+    ("batch-times-n-too-many", "completions", _c(prompt=["a", "b"], n=513), 400, "n"),
     ("n-string", "chat", _chat(n="1"), 400, "n"),
     # prompt
     ("prompt-missing", "completions", {"model": MODEL}, 400, "prompt"),
@@ -73,8 +76,9 @@ BAD: list[tuple[str, Endpoint, Any, int, str | None]] = [
     ("prompt-mixed-list", "completions", _c(prompt=[1, "a"]), 400, "prompt"),
     ("prompt-bool-tokens", "completions", _c(prompt=[True, False]), 400, "prompt"),
     ("prompt-float-tokens", "completions", _c(prompt=[1.0, 2.0]), 400, "prompt"),
-    ("batched-strings", "completions", _c(prompt=["a", "b"]), 400, "prompt"),
-    ("batched-token-lists", "completions", _c(prompt=[[1, 2], [3]]), 400, "prompt"),
+    ("batched-streamed", "completions", _c(prompt=["a", "b"], stream=True), 400, "prompt"),
+    ("batched-mixed", "completions", _c(prompt=["a", [1]]), 400, "prompt"),
+    ("batched-empty-token-list", "completions", _c(prompt=[[1, 2], []]), 400, "prompt"),
     ("chat-body-on-completions", "completions", _chat(), 400, "prompt"),
     # messages
     ("messages-missing", "chat", {"model": MODEL}, 400, "messages"),
@@ -174,7 +178,15 @@ GOOD: list[tuple[str, Endpoint, dict[str, Any], dict[str, Any]]] = [
         _c(stream=None, stream_options=None),
         {"stream": False, "include_usage": False},
     ),
-    ("n-one", "completions", _c(n=1), {"max_tokens": None}),
+    ("n-one", "completions", _c(n=1), {"max_tokens": None, "n": 1, "batch": None}),
+    ("n-three", "chat", _chat(n=3), {"n": 3, "batch": None}),
+    ("batched-strings", "completions", _c(prompt=["a", "b"]), {"batch": ("a", "b")}),
+    (
+        "batched-token-lists",
+        "completions",
+        _c(prompt=[[1, 2], [3]], n=2),
+        {"batch": ([1, 2], [3]), "n": 2, "prompt_text": None, "prompt_token_count": None},
+    ),
     (
         "chat-basic",
         "chat",

@@ -23,6 +23,7 @@ from narwhal.dataplane.access_log import AccessLog
 from narwhal.dataplane.auth import ApiKeys, KeysUnreadable, load_keys
 from narwhal.dataplane.errors import error_answer, error_body, sse_error_event
 from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
+from narwhal.dataplane.fanout import PARALLEL, merge, split
 from narwhal.dataplane.migration import Continuation, Splice, migratable
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.pool import Pool, PoolExhausted
@@ -114,6 +115,10 @@ class Moved(Exception):
     """The operator moved the stream off its decode engine (planned maintenance with
     `migrate`) before the stream's first byte: the policy retries it elsewhere, and the engine
     is charged nothing."""
+
+
+class _PartFailed(Exception):
+    """A part of a fanned-out request was not answered 200 (its answer is the request's)."""
 
 
 class Interrupted(Exception):
@@ -443,6 +448,8 @@ class DataPlane:
         try:
             if isinstance(req, EmbeddingsRequest):
                 return await self._embed(req, exchange, deadline)
+            if req.n > 1 or req.batch is not None:
+                return await self._fan_out(req, exchange, deadline)
             return await self._serve(req, exchange, deadline)
         finally:
             self.pool.release()
@@ -508,6 +515,43 @@ class DataPlane:
             except DeadlineExceeded:
                 return error_answer(504, "request deadline exceeded", "timeout", "deadline")
         return _failure_response(last)
+
+    async def _fan_out(self, req: ClientRequest, exchange: Exchange, deadline: float) -> Answer:
+        """Batched prompts and `n > 1`: each choice is a request of its own, served by the
+        policy as any request is, and the answers merged in order (dataplane/fanout.py). A
+        part in flight holds a data connection: the request's own, plus up to
+        `fanout.PARALLEL - 1` more that are free now (none: the parts take turns on one). The
+        first part that fails (in order) is the answer and the rest are cancelled: the client
+        asked for all of them."""
+        parts = split(req)
+        answers: list[bytes] = [b""] * len(parts)
+        failures: list[tuple[int, Answer]] = []
+        extra = 0
+        while extra < min(PARALLEL, len(parts)) - 1 and self.pool.try_acquire():
+            extra += 1
+        turns = asyncio.Semaphore(1 + extra)
+
+        async def serve(index: int, part: ClientRequest) -> None:
+            async with turns:
+                result = await self._serve(part, exchange, deadline)
+            assert isinstance(result, Answer)  # parts are never streamed
+            if result.status != 200:
+                failures.append((index, result))
+                raise _PartFailed()  # cancels the other parts
+            answers[index] = result.body
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for index, part in enumerate(parts):
+                    group.create_task(serve(index, part))
+        except* _PartFailed:
+            pass  # `failures` says which
+        finally:
+            for _ in range(extra):
+                self.pool.release()
+        if failures:
+            return min(failures, key=lambda f: f[0])[1]
+        return Answer(200, merge(answers, req.n), "application/json")
 
     async def _embed(self, req: EmbeddingsRequest, exchange: Exchange, deadline: float) -> Answer:
         """`/v1/embeddings`: the client's body, as it is, to an embed engine of its model, no

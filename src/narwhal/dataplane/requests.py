@@ -40,6 +40,8 @@ class ClientRequest:
     prompt_token_count: int | None  # exact when the client sent token ids
     message_count: int
     model: str | None = None  # the model the client named (DESIGN §10: routed by it)
+    n: int = 1  # choices per prompt; above 1, served as parts (dataplane/fanout.py)
+    batch: tuple[Any, ...] | None = None  # a batched completions prompt, one entry per prompt
 
 
 def _is_int(v: Any) -> bool:
@@ -55,30 +57,35 @@ def _optional_positive_int(body: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
-def _prompt(body: dict[str, Any]) -> tuple[str | None, int | None]:
+MAX_CHOICES = 1024
+"""The most choices (prompts times n) one request may ask for: each is a PD request of its own."""
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, int | None, tuple[Any, ...] | None]:
+    """The prompt's text or token count, or, for a batch, its prompts."""
     if "prompt" not in body:
         raise BadRequest(400, "'prompt' is required", param="prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     if isinstance(prompt, list) and prompt:
         if all(_is_int(t) for t in prompt):
-            return None, len(prompt)
+            return None, len(prompt), None
         if len(prompt) == 1 and isinstance(prompt[0], str):
-            return prompt[0], None
-        if len(prompt) == 1 and isinstance(prompt[0], list) and all(_is_int(t) for t in prompt[0]):
-            return None, len(prompt[0])
-        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-            raise BadRequest(
-                400,
-                "batched prompts are not supported; send one prompt per request",
-                param="prompt",
-            )
+            return prompt[0], None, None
+        if len(prompt) == 1 and _token_ids(prompt[0]):
+            return None, len(prompt[0]), None
+        if all(isinstance(p, str) for p in prompt) or all(_token_ids(p) for p in prompt):
+            return None, None, tuple(prompt)
     raise BadRequest(
         400,
-        "'prompt' must be a string, a list of token ids, or a one-element list of either",
+        "'prompt' must be a string, a list of token ids, or a list of either",
         param="prompt",
     )
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
 def _messages(body: dict[str, Any]) -> tuple[str, int]:
@@ -126,9 +133,14 @@ def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientR
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest(400, "'stream_options' must be an object", param="stream_options")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise BadRequest(400, "only n=1 is supported", param="n")
+    n = 1 if body.get("n") is None else body["n"]
+    if not _is_int(n) or n < 1:
+        raise BadRequest(400, "'n' must be a positive integer", param="n")
+    if n > 1 and stream:
+        raise BadRequest(
+            400, "n > 1 is served only without stream (each choice is its own PD request)",
+            param="n",
+        )  # fmt: skip
     # Prompt logprobs are the prefill's, and a disaggregated decode does not compute them.
     if body.get("prompt_logprobs") is not None:
         raise BadRequest(
@@ -146,9 +158,19 @@ def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientR
     if endpoint == "chat":
         max_tokens = _optional_positive_int(body, "max_completion_tokens") or max_tokens
         prompt_text, message_count = _messages(body)
+        batch = None
     else:
-        prompt_text, prompt_count = _prompt(body)
+        prompt_text, prompt_count, batch = _prompt(body)
         message_count = 0
+    if batch is not None and stream:
+        raise BadRequest(
+            400, "batched prompts are served only without stream (each prompt is its own PD "
+            "request); send one prompt per streamed request", param="prompt",
+        )  # fmt: skip
+    if n * len(batch or (None,)) > MAX_CHOICES:
+        raise BadRequest(
+            400, f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n"
+        )
     return ClientRequest(
         endpoint=endpoint,
         body=strip_client_kv_params(body),
@@ -159,6 +181,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientR
         prompt_token_count=prompt_count,
         message_count=message_count,
         model=model,
+        n=n,
+        batch=batch,
     )
 
 
