@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 P = ["--role", "prefill", "--kv-role", "kv_producer"]
 D = ["--role", "decode", "--kv-role", "kv_consumer"]
-E = ["--role", "embed", "--model", "embed-model"]
+# A short context, as embedding models have: it limits their model's prompts, no other's.
+E = ["--role", "embed", "--model", "embed-model", "--max-model-len", "64"]
 
 
 async def _router(
@@ -102,6 +103,12 @@ async def test_the_wrong_model_or_input_is_refused_with_its_reason(
         async with http.post(rr.url + "/v1/embeddings", json=body) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "input"
+    # The embed engines' short context is not the generative model's.
+    async with _client(rr) as client:
+        done = await client.completions.create(
+            model="demo-model", prompt=" ".join(["word"] * 100), max_tokens=2
+        )
+    assert done.usage is not None and done.usage.prompt_tokens == 100
     # What only the engine can judge is its answer, passed on.
     body = {"model": "embed-model", "input": "x", "encoding_format": "int8"}
     async with http.post(rr.url + "/v1/embeddings", json=body) as resp:

@@ -716,7 +716,11 @@ class DataPlane:
         return deadline + asyncio.get_running_loop().time() - self._clock.monotonic()
 
     async def _check_tokens(self, req: ClientRequest, deadline: float, attempt: _Attempt) -> None:
-        limits = [e.max_model_len for e in self._fleet if e.max_model_len is not None]
+        limits = [
+            e.max_model_len
+            for e in self._fleet
+            if e.max_model_len is not None and e.serves_model(req.model)
+        ]  # the model's engines' (another model's context is not this one's)
 
         async def count(r: ClientRequest) -> int | None:
             role = self._fleet.needed_roles(r.model)[0]
