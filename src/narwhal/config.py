@@ -13,12 +13,13 @@ import shlex
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     NonNegativeFloat,
@@ -91,6 +92,21 @@ def _enum_value(enum: type[_E], value: Any) -> _E:
     raise ValueError(f"must be one of {', '.join(m.value for m in enum)}, got {value!r}")
 
 
+# YAML gives strings, and strict mode takes only members: both fields convert first.
+RoleField = Annotated[Role, BeforeValidator(lambda v: _enum_value(Role, v))]
+KvRoleField = Annotated[
+    KvRole | None, BeforeValidator(lambda v: None if v is None else _enum_value(KvRole, v))
+]
+
+
+def _kv_problem(role: Role, kv_role: KvRole | None) -> str | None:
+    """Why `kv_role` (None: the role's default) cannot serve `role`, or None."""
+    kv_role = kv_role or DEFAULT_KV_ROLE[role]
+    if role in KV_ROLE_PERMITS[kv_role]:
+        return None
+    return f"kv_role: {kv_role.value} does not permit role {role.value}"
+
+
 DEFAULT_KV_ROLE = {
     Role.PREFILL: KvRole.PRODUCER,
     Role.DECODE: KvRole.CONSUMER,
@@ -108,8 +124,8 @@ KV_ROLE_PERMITS = {
 class EngineConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     url: str
-    role: Role
-    kv_role: KvRole | None = None
+    role: RoleField
+    kv_role: KvRoleField = None
     api: Literal["vllm", "llamacpp"] = "vllm"
     api_key: str | None = None
     api_key_env: str | None = None
@@ -128,25 +144,13 @@ class EngineConfig(_Section):
         """This engine with its model resolved (the router's default when it declares none)."""
         return self if self.model is not None else self.model_copy(update={"model": default})
 
-    @field_validator("role", mode="before")
-    @classmethod
-    def _role(cls, value: Any) -> Any:
-        return _enum_value(Role, value)
-
-    @field_validator("kv_role", mode="before")
-    @classmethod
-    def _kv_role(cls, value: Any) -> Any:
-        return None if value is None else _enum_value(KvRole, value)
-
     @model_validator(mode="after")
     def _kv(self) -> Self:
         if self.kv_role is None:
             object.__setattr__(self, "kv_role", DEFAULT_KV_ROLE[self.role])
-        assert self.kv_role is not None
-        if self.role not in KV_ROLE_PERMITS[self.kv_role]:
-            raise ValueError(
-                f"kv_role: {self.kv_role.value} does not permit role {self.role.value}"
-            )
+        problem = _kv_problem(self.role, self.kv_role)
+        if problem is not None:
+            raise ValueError(problem)
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("api_key: give api_key or api_key_env, not both")
         if self.slot_save_path is not None and self.api != "llamacpp":
@@ -447,29 +451,19 @@ class DnsSource(_Section):
 
     name: str = Field(min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
-    role: Role
-    kv_role: KvRole | None = None
+    role: RoleField
+    kv_role: KvRoleField = None
     api: Literal["vllm", "llamacpp"] = "vllm"
     scheme: Literal["http", "https"] = "http"
     api_key_env: str | None = None
     slot_save_path: str | None = Field(default=None, min_length=1)
     model: str | None = Field(default=None, min_length=1)
 
-    @field_validator("role", mode="before")
-    @classmethod
-    def _role(cls, value: Any) -> Any:
-        return _enum_value(Role, value)
-
-    @field_validator("kv_role", mode="before")
-    @classmethod
-    def _kv_role(cls, value: Any) -> Any:
-        return None if value is None else _enum_value(KvRole, value)
-
     @model_validator(mode="after")
     def _kv(self) -> Self:
-        kv_role = self.kv_role or DEFAULT_KV_ROLE[self.role]
-        if self.role not in KV_ROLE_PERMITS[kv_role]:
-            raise ValueError(f"kv_role: {kv_role.value} does not permit role {self.role.value}")
+        problem = _kv_problem(self.role, self.kv_role)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
