@@ -57,7 +57,8 @@ def _openai_error(resp: aiohttp.ClientResponse, body: bytes, status: int, type_:
         ("GET", "/v1/completions", 405, "invalid_request_error"),
         ("GET", "/v1/chat/completions", 405, "invalid_request_error"),
         ("POST", "/v1/models", 405, "invalid_request_error"),
-        ("POST", "/v1/embeddings", 404, "not_found_error"),
+        ("POST", "/v1/audio/speech", 404, "not_found_error"),
+        ("GET", "/v1/embeddings", 405, "invalid_request_error"),
         ("GET", "/v1/nothing/here", 404, "not_found_error"),
     ],
 )
