@@ -3,8 +3,9 @@
 Run as its own process: `python -m bench.tap`, with one JSON line on stdin,
 `{"routes": [[label, backend_port], ...]}`; it listens on a fresh loopback port per label and
 answers `{"ports": {label: port}}`. Then each stdin line `dump` answers
-`{"marked": {label: [t, ...]}, "health": {label: n}}` (times on CLOCK_MONOTONIC, shared with the
-other processes) and forgets them; `quit` or EOF stops it.
+`{"marked": {label: [t, ...]}, "marked_ids": {label: [id, ...]}, "health": {label: n}}` (times
+on CLOCK_MONOTONIC, shared with the other processes; each marked request's `X-Request-Id`, or
+null, in the same order) and forgets them; `quit` or EOF stops it.
 
 A client request counts at an engine when a body carrying the load generator's marker passes
 through (probes and health checks do not carry it). When the backend refuses or drops a
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import re
 import socket
 import struct
 import sys
@@ -29,16 +31,20 @@ from bench.loadgen.spec import MARKER
 
 _MARK = MARKER.encode()
 _HEALTH = b"GET /health"
+_REQUEST_ID = re.compile(rb"\r\nx-request-id: *([\x21-\x7e]+)\r\n", re.IGNORECASE)
 
 
 class Counts:
     def __init__(self) -> None:
         self.marked: defaultdict[str, list[float]] = defaultdict(list)
+        self.ids: defaultdict[str, list[str | None]] = defaultdict(list)
         self.health: defaultdict[str, int] = defaultdict(int)
 
     def dump(self) -> dict[str, object]:
-        doc = {"marked": dict(self.marked), "health": dict(self.health)}
+        doc = {"marked": dict(self.marked), "marked_ids": dict(self.ids),
+               "health": dict(self.health)}  # fmt: skip
         self.marked = defaultdict(list)
+        self.ids = defaultdict(list)
         self.health = defaultdict(int)
         return doc
 
@@ -97,6 +103,7 @@ class _Front(asyncio.Protocol):
         self.backend: _Backend | None = None
         self.pending: list[bytes] = []
         self.tail = b""
+        self.request_id: str | None = None  # the last request's, on this connection
         self.task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -126,9 +133,14 @@ class _Front(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         seen = self.tail + data
+        found = _REQUEST_ID.search(data)  # a request's head comes before its body
+        if found is not None:
+            self.request_id = found.group(1).decode()
         if _MARK in seen:
             now = time.monotonic()
-            self.counts.marked[self.label].extend([now] * seen.count(_MARK))
+            n = seen.count(_MARK)
+            self.counts.marked[self.label].extend([now] * n)
+            self.counts.ids[self.label].extend([self.request_id] * n)
         if _HEALTH in seen:
             self.counts.health[self.label] += seen.count(_HEALTH)
         self.tail = data[-16:]

@@ -75,6 +75,8 @@ class Misplaced:
     router: str
     blocked_since: float  # when that router's log last showed it blocked
     status: str
+    request_id: str | None = None  # the leg's X-Request-Id, when the tap saw it
+    placed_by: str = "ready"  # how `router` was told: its request id, or /ready polls
 
 
 def active_changes(
@@ -90,15 +92,29 @@ def active_changes(
     return out
 
 
+def placer(request_id: str | None, prefixes: dict[str, str]) -> str | None:
+    """The router whose process made `request_id` (`<prefix>-N-aK`), from the request-id
+    prefixes each router logged as its processes started; None when unknown."""
+    if request_id is None:
+        return None
+    for prefix, router in prefixes.items():
+        if request_id.startswith(prefix + "-"):
+            return router
+    return None
+
+
 def misplaced(
     arrivals: dict[str, list[float]],
     timelines: dict[str, list[Transition]],
     active: list[tuple[float, str]],
     tolerance_s: float,
+    ids: dict[str, list[str | None]] | None = None,
+    prefixes: dict[str, str] | None = None,
 ) -> list[Misplaced]:
     """Legs that reached an engine which the placing router had shown blocked for at least
-    `tolerance_s` without a break (the placing router: the last one seen answering /ready 200
-    at or before the arrival). An engine with no transition yet counts as placeable."""
+    `tolerance_s` without a break. The placing router is the one whose process made the
+    leg's request id (`ids`, `prefixes`), else the last one seen answering /ready 200 at or
+    before the arrival. An engine with no transition yet counts as placeable."""
     starts = [t for t, _ in active]
     by_engine: dict[tuple[str, str], list[Transition]] = {}
     for router, log in timelines.items():
@@ -106,11 +122,15 @@ def misplaced(
             by_engine.setdefault((router, tr.engine), []).append(tr)
     out: list[Misplaced] = []
     for engine, times in arrivals.items():
-        for at in times:
-            i = bisect.bisect_right(starts, at) - 1
-            if i < 0:
-                continue
-            router = active[i][1]
+        engine_ids = (ids or {}).get(engine) or [None] * len(times)
+        for at, request_id in zip(times, engine_ids, strict=True):
+            router = placer(request_id, prefixes or {})
+            by = "request id"
+            if router is None:
+                i = bisect.bisect_right(starts, at) - 1
+                if i < 0:
+                    continue
+                router, by = active[i][1], "ready"
             log = by_engine.get((router, engine), [])
             ts = [tr.t for tr in log]
             j = bisect.bisect_right(ts, at) - 1  # the last change at or before the arrival
@@ -122,7 +142,7 @@ def misplaced(
                 since = log[k - 1].t
                 k -= 1
             if at - since > tolerance_s:
-                out.append(Misplaced(engine, at, router, since, log[j].status))
+                out.append(Misplaced(engine, at, router, since, log[j].status, request_id, by))
     return out
 
 

@@ -130,7 +130,8 @@ async def run_narwhal(setup: Setup, duration_s: float, seed: int, policy: str) -
 
             spec = _load(setup, "soak-narwhal", urls[0], duration_s, urls)
             result, bad = await _drive(setup, spec, chaos, events, active_url, seed)
-        arrivals = (await setup.tap.dump())["marked"]
+        tapped = await setup.tap.dump()
+        arrivals, arrival_ids = tapped["marked"], tapped.get("marked_ids", {})
         pids = {name: pair.pid(name) for name in pair.members}
     finally:
         await pair.stop()
@@ -145,7 +146,13 @@ async def run_narwhal(setup: Setup, duration_s: float, seed: int, policy: str) -
     # killed the active, its heir (the dead one places nothing, even before the heir is ready).
     kills = [(k["t_mono"], k["heir"]) for k in chaos.takeovers]
     active = sorted(inv.active_changes(watch.ready) + kills)
-    misplaced = inv.misplaced(arrivals, timelines, active, PLACEMENT_TOLERANCE_S)
+    prefixes = {
+        prefix: name for name, paths in by_member.items()
+        for prefix in translog.request_prefixes(paths)
+    }  # fmt: skip
+    misplaced = inv.misplaced(
+        arrivals, timelines, active, PLACEMENT_TOLERANCE_S, arrival_ids, prefixes
+    )
     stints = _stints(watch, active)
     grew = inv.growth(stints, FD_TOLERANCE, RSS_TOLERANCE_KB)
     seen = [
@@ -187,6 +194,9 @@ async def run_narwhal(setup: Setup, duration_s: float, seed: int, policy: str) -
             "ready_polls": len(watch.ready),
             "handoff_polls": len(watch.handoff),
             "legs_at_engines": sum(len(v) for v in arrivals.values()),
+            "legs_placer_known": sum(
+                1 for ids in arrival_ids.values() for i in ids if inv.placer(i, prefixes)
+            ),
             "transitions": sum(len(v) for v in timelines.values()),
             "pids_at_end": pids,
             "t0": chaos.t0,

@@ -48,3 +48,10 @@ def stage_errors(logs: list[Path], offset: float, stage: str) -> list[tuple[floa
             if ev.get("stage") == stage and "exception" in ev:
                 out.append((float(ev["ts"]) - offset, str(ev["exception"])))
     return sorted(out)
+
+
+def request_prefixes(logs: list[Path]) -> list[str]:
+    """The request-id prefixes a router's processes logged as they started (a restarted
+    worker logs a new one)."""
+    return [str(ev["request_prefix"]) for log in logs for ev in events(log)
+            if "request_prefix" in ev]  # fmt: skip

@@ -127,6 +127,9 @@ class Router:
         self.evidence = EvidenceRecorder(self.fleet, self.clock, stats=self.stats)
         self.lifecycle = Lifecycle(self.fleet)
         self.engine_tasks = EngineTasks(self._spawn_engine_task)
+        # This process's request ids are `<prefix>-N` (each worker has its own, logged as it
+        # starts): a leg an engine received names the process that placed it.
+        self.request_prefix = request_prefix()
         self.dataplane = DataPlane(
             config,
             self.fleet,
@@ -135,7 +138,7 @@ class Router:
             self.metrics.data,
             self.clock,
             self.admission,
-            new_request_id or numbered_ids(request_prefix()),
+            new_request_id or numbered_ids(self.request_prefix),
             self.adapters,
             stats=self.stats,
             timeline=self.timeline,
@@ -528,6 +531,10 @@ class Router:
                 site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=self._tls)
                 await site.start()
                 bound = runner.addresses[0][1] if runner.addresses else port
+                log.info(
+                    "serving requests in this process, request ids %s-N", self.request_prefix,
+                    extra={"request_prefix": self.request_prefix},
+                )  # fmt: skip
             else:
                 runtime = await asyncio.to_thread(_runtime_dir)
                 bound = await self._prepare_workers(runner, runtime, host, port)

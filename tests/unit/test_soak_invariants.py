@@ -69,6 +69,21 @@ def test_misplaced_counts_a_leg_past_the_tolerance_on_the_placing_routers_view()
     assert inv.misplaced({"d0": [12.0]}, timelines, [(0.0, "b")], 0.25) == []
 
 
+def test_a_legs_request_id_names_the_router_that_placed_it() -> None:
+    """/ready polls lag a takeover: a leg whose id a process of b made is judged on b's view,
+    whoever the polls last saw answering 200; an id nobody logged falls back to the polls."""
+    timelines = {"a": [inv.Transition(10.0, "d0", "ejected")], "b": []}
+    active = [(0.0, "a")]
+    prefixes = {"narwhal-aaaa": "a", "narwhal-bbbb": "b"}
+    arrivals = {"d0": [12.0, 13.0, 14.0]}
+    ids = {"d0": ["narwhal-bbbb-7-a1", "narwhal-aaaa-3-a2", "client-id-a1"]}
+    found = inv.misplaced(arrivals, timelines, active, 0.25, ids, prefixes)
+    assert [(m.at, m.router, m.request_id, m.placed_by) for m in found] == [
+        (13.0, "a", "narwhal-aaaa-3-a2", "request id"),
+        (14.0, "a", "client-id-a1", "ready"),
+    ]
+
+
 def test_active_changes_follow_the_router_answering_ready_alone() -> None:
     samples = [(0.0, 200, 503), (1.0, None, 503), (2.0, None, 200), (3.0, 200, 200)]
     assert inv.active_changes(samples) == [(0.0, "a"), (2.0, "b")]

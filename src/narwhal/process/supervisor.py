@@ -91,6 +91,7 @@ class WorkerInfo:
     generation: int = 0
     running: bool = False
     acks: list[int] = field(default_factory=list)
+    request_prefix: str = ""  # its request ids are `<prefix>-N`: which process placed a leg
 
     def to_json(self, table: WorkerTable) -> dict[str, Any]:
         return {
@@ -101,6 +102,7 @@ class WorkerInfo:
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "snapshot_version": self.seen_version,
+            "request_prefix": self.request_prefix,
             "requests_in_progress": table.get(self.index, COMPLETIONS)
             + table.get(self.index, CHAT),
         }
@@ -236,6 +238,7 @@ class Supervisor:
     async def _spawn(self, w: WorkerInfo) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         w.generation += 1
+        w.request_prefix = request_prefix()
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -279,7 +282,10 @@ class Supervisor:
             channel.close()
             raise OSError(f"data-plane worker {w.index} failed to start")
         w.running = True
-        log.info("worker %d started (pid %d)", w.index, proc.pid)
+        log.info(
+            "worker %d started (pid %d), request ids %s-N", w.index, proc.pid, w.request_prefix,
+            extra={"worker": w.index, "request_prefix": w.request_prefix},
+        )  # fmt: skip
 
     def _hello(self, w: WorkerInfo) -> dict[str, Any]:
         root = logging.getLogger()
@@ -295,7 +301,7 @@ class Supervisor:
             "settle_s": self._window_s,
             "log": [logging.getLevelName(root.level).lower(), "json" if json_logs else "text"],
             "metrics_id": f"w{w.index}-{os.getpid()}-{w.generation}",
-            "request_prefix": request_prefix(),
+            "request_prefix": w.request_prefix,
             "host": self._host,
             "port": self.port,
         }
