@@ -187,6 +187,9 @@ async def test_a_crashed_worker_is_restarted_and_its_requests_count_as_lost(
         assert workers[1]["pid"] != before[1]["pid"] and workers[1]["restarts"] == 1
         assert workers[1]["last_exit"] == "SIGKILL"
         assert workers[0]["pid"] == before[0]["pid"] and workers[0]["restarts"] == 0
+        # A restarted worker makes its request ids with a prefix of its own.
+        prefixes = [before[0]["request_prefix"], before[1]["request_prefix"]]
+        assert workers[1]["request_prefix"] not in prefixes and len(set(prefixes)) == 2
         text = await _metrics(http, rr.url)
         assert metric_sum(text, "narwhal_worker_lost_requests_total", endpoint="completions") == 1
         assert metric_sum(text, "narwhal_worker_exits_total", reason="signal") == 1
