@@ -499,21 +499,14 @@ class DataPlane:
                 return await self._migrate(exchange, deadline, splice, exc, tried)
             except BadRequest as exc:
                 return _bad_request(exc)
-            except ClientError as exc:
-                content_type = exc.content_type or "application/json"
-                return Answer(exc.status, exc.body, content_type, "client_error")
+            except (ClientError, NoCapacity, DeadlineExceeded) as exc:
+                return _settled(exc)
             except (EngineFailure, Saturated, Moved) as exc:
                 last = exc
                 if attempt.started:
                     break
                 if number + 1 < attempts:
                     self._metrics.retries.labels(_reason(exc)).inc()
-            except NoCapacity as exc:
-                return error_answer(
-                    503, str(exc), "service_unavailable", "no_capacity", retry_after_s=1
-                )
-            except DeadlineExceeded:
-                return error_answer(504, "request deadline exceeded", "timeout", "deadline")
         return _failure_response(last)
 
     async def _fan_out(self, req: ClientRequest, exchange: Exchange, deadline: float) -> Answer:
@@ -577,19 +570,12 @@ class DataPlane:
                 ):
                     self._placed_on(exchange, None, engine.id)
                     return await self._embed_leg(req, deadline, attempt, engine)
-            except ClientError as exc:
-                content_type = exc.content_type or "application/json"
-                return Answer(exc.status, exc.body, content_type, "client_error")
+            except (ClientError, NoCapacity, DeadlineExceeded) as exc:
+                return _settled(exc)
             except (EngineFailure, Saturated) as exc:
                 last = exc
                 if number + 1 < attempts:
                     self._metrics.retries.labels(_reason(exc)).inc()
-            except NoCapacity as exc:
-                return error_answer(
-                    503, str(exc), "service_unavailable", "no_capacity", retry_after_s=1
-                )
-            except DeadlineExceeded:
-                return error_answer(504, "request deadline exceeded", "timeout", "deadline")
         return _failure_response(last)
 
     async def _embed_leg(
@@ -1339,6 +1325,16 @@ def _status_for(exc: Exception | None) -> tuple[int, str]:
             return 504, f"upstream timeout: {exc.detail}"
         return 502, f"upstream failure ({exc.failure_class.value}): {exc.detail}"
     return 502, "upstream failure"
+
+
+def _settled(exc: ClientError | NoCapacity | DeadlineExceeded) -> Answer:
+    """An attempt's outcome that ends the request whatever the policy: the engine's 4xx, no
+    capacity (503), or the request's own deadline (504)."""
+    if isinstance(exc, ClientError):
+        return Answer(exc.status, exc.body, exc.content_type or "application/json", "client_error")
+    if isinstance(exc, NoCapacity):
+        return error_answer(503, str(exc), "service_unavailable", "no_capacity", retry_after_s=1)
+    return error_answer(504, "request deadline exceeded", "timeout", "deadline")
 
 
 def _failure_response(exc: Exception | None) -> Answer:

@@ -112,10 +112,8 @@ def _messages(body: dict[str, Any]) -> tuple[str, int]:
     return orjson.dumps(rendered).decode(), len(messages)
 
 
-def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientRequest:
-    """Validate a client body; raises BadRequest with the status the client should get. A
-    body without `model` asks for `default_model`; whether a model is served is the fleet's
-    to say."""
+def _object_with_model(raw: bytes, default_model: str) -> tuple[dict[str, Any], str]:
+    """The body as a JSON object, and the model it names (`default_model` when none)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -125,6 +123,14 @@ def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientR
     model = body.get("model", default_model)
     if not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", param="model")
+    return body, model
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, default_model: str) -> ClientRequest:
+    """Validate a client body; raises BadRequest with the status the client should get. A
+    body without `model` asks for `default_model`; whether a model is served is the fleet's
+    to say."""
+    body, model = _object_with_model(raw, default_model)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -198,15 +204,7 @@ def parse_embeddings(raw: bytes, default_model: str) -> EmbeddingsRequest:
     """What the router needs to know before it passes an embeddings request on: a JSON
     object, its model, and an input (OpenAI's `input`, or vLLM's chat-style `messages`). The
     engine judges the rest and its 4xx is the client's."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(400, "request body must be a JSON object")
-    model = body.get("model", default_model)
-    if not isinstance(model, str):
-        raise BadRequest(400, "'model' must be a string", param="model")
+    body, model = _object_with_model(raw, default_model)
     if "input" not in body and "messages" not in body:
         raise BadRequest(400, "'input' is required", param="input")
     inputs = body.get("input")

@@ -163,26 +163,33 @@ class SimApp:
         if model is not None and model != self._config.model and model not in self._config.lora:
             raise RequestError(404, f"The model `{model}` does not exist.", "model")
 
-    async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _received(self, request: web.Request) -> tuple[Any, Leg, web.Response | None]:
+        """A request for inference, recorded and counted: its body (None: not JSON), its leg,
+        and the answer a connection or status fault gives instead, if one fires."""
         raw = await request.read()
         try:
             doc: Any = json.loads(raw)
         except ValueError:
             doc = None
-        params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
-        leg = leg_of(params)
-        self._log.record(
-            request.path,
-            request.headers,
-            raw.decode(errors="replace") if doc is None else doc,
-            leg,
-        )
+        leg = leg_of(doc.get("kv_transfer_params") if isinstance(doc, dict) else None)
+        recorded = raw.decode(errors="replace") if doc is None else doc
+        self._log.record(request.path, request.headers, recorded, leg)
         self._metrics.count_request(leg)
         if self._faults.fire(FaultKind.RESET_CONNECTIONS, leg):
-            return _reset(request)
+            return doc, leg, _reset(request)
         if status := self._faults.fire(FaultKind.COMPLETION_STATUS, leg):
             code = status.spec.status or 500
-            return error_response(RequestError(code, f"narwhal-sim injected status {code}"))
+            return (
+                doc,
+                leg,
+                error_response(RequestError(code, f"narwhal-sim injected status {code}")),
+            )
+        return doc, leg, None
+
+    async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        doc, leg, faulted = await self._received(request)
+        if faulted is not None:
+            return faulted
         try:
             if self._config.role is Role.EMBED:
                 api = "Chat Completions" if chat else "Completions"
@@ -197,21 +204,9 @@ class SimApp:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """vLLM's `/v1/embeddings` for a pooling model (`--role embed`); faults act on it
         as on an unified leg."""
-        raw = await request.read()
-        try:
-            doc: Any = json.loads(raw)
-        except ValueError:
-            doc = None
-        leg = Leg.UNIFIED
-        self._log.record(
-            request.path, request.headers, raw.decode(errors="replace") if doc is None else doc, leg
-        )
-        self._metrics.count_request(leg)
-        if self._faults.fire(FaultKind.RESET_CONNECTIONS, leg):
-            return _reset(request)
-        if status := self._faults.fire(FaultKind.COMPLETION_STATUS, leg):
-            code = status.spec.status or 500
-            return error_response(RequestError(code, f"narwhal-sim injected status {code}"))
+        doc, leg, faulted = await self._received(request)
+        if faulted is not None:
+            return faulted
         try:
             if self._config.role is not Role.EMBED:
                 raise RequestError(400, "The model does not support Embeddings API")
