@@ -42,10 +42,11 @@ system-deps:
 pytest: $(STAMP) system-deps
 	$(BIN)/pytest -q
 
-# The data-plane and failure scenarios again with one process (the default is a control process
-# and one worker per CPU): both modes stay covered (docs/testing.md, "Workers in the tests").
+# The data-plane, failure, migration, embeddings and OpenAI-surface scenarios again with one
+# process (the default is a control process and one worker per CPU): both modes stay covered
+# (docs/testing.md, "Workers in the tests").
 pytest-single: $(STAMP) system-deps
-	NARWHAL_TEST_WORKERS=1 $(BIN)/pytest -q -m 'not llama' tests/e2e/test_dataplane_*.py tests/e2e/test_failures_*.py tests/e2e/test_migration.py
+	NARWHAL_TEST_WORKERS=1 $(BIN)/pytest -q -m 'not llama' tests/e2e/test_dataplane_*.py tests/e2e/test_failures_*.py tests/e2e/test_migration.py tests/e2e/test_embeddings.py tests/e2e/test_openai_surface.py
 
 test: lint typecheck pytest pytest-single
 
