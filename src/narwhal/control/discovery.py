@@ -86,6 +86,7 @@ class Discovery:
             await self._source("dns", self._dns, now)
         if self._cfg.file is not None:
             await self._source("file", self._read_file, now)
+        _honour_swallowed_cancel()
 
     async def _source(
         self, origin: str, find: Callable[[], Awaitable[list[EngineConfig]]], now: float
@@ -137,3 +138,13 @@ class Discovery:
         if self._file is None or self._file[0] != seen:
             self._file = (seen, await asyncio.to_thread(files.read, path))
         return self._file[1]
+
+
+def _honour_swallowed_cancel() -> None:
+    """Raise the cancellation a round swallowed. dnspython waits with `asyncio.wait_for`,
+    which on Python 3.11 loses a cancellation that arrives as the DNS answer does (fixed in
+    3.12); the request stays counted on the task. Unhonoured, the router's shutdown waited
+    for this loop forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
