@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -500,6 +501,40 @@ class DiscoveryConfig(_Section):
         return bool(self.dns) or self.file is not None
 
 
+def _tokenizer_path(value: str) -> str:
+    """A `tokenizer.json`, or a directory holding one (and its `tokenizer_config.json`)."""
+    path = Path(value)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{value!r} is a directory without tokenizer.json")
+        return value
+    if not path.is_file():
+        raise ValueError(f"{value!r} does not exist")
+    return value
+
+
+TokenizerPath = Annotated[str, Field(min_length=1), AfterValidator(_tokenizer_path)]
+
+
+class PlacementConfig(_Section):
+    """Where a request runs (DESIGN §11, docs/placement.md)."""
+
+    policy: Literal["least_loaded", "prefix"] = "prefix"
+    # MODEL: a tokenizer.json, or a directory with tokenizer.json and tokenizer_config.json.
+    tokenizers: dict[str, TokenizerPath] = Field(default_factory=dict)
+    # For engines without `kv_events` (discovered ones): ports on the engine's host.
+    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
+    kv_events_replay_port: int | None = Field(default=None, ge=1, le=65535)
+    metrics_interval_s: PositiveFloat = 1.0
+    metrics_stale_s: PositiveFloat = 5.0
+
+    @model_validator(mode="after")
+    def _staleness(self) -> Self:
+        if self.metrics_stale_s <= self.metrics_interval_s:
+            raise ValueError("metrics_stale_s: must exceed metrics_interval_s")
+        return self
+
+
 def _parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
@@ -526,6 +561,7 @@ class Config(_Section):
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig = TlsConfig()
     tracing: TracingConfig = TracingConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     @field_validator("engines", mode="before")
     @classmethod
