@@ -246,6 +246,9 @@ class ControllerConfig(_Section):
     rebalance_roles: bool = False
     rebalance_min_eligible: PositiveInt = 2
     rebalance_max_in_flight: NonNegativeInt = 1
+    # Re-read the config file when it changes, polled this often (None: only on SIGHUP or
+    # POST /admin/reload). For a Kubernetes ConfigMap mount, which kubelet swaps in place.
+    config_watch_interval_s: PositiveFloat | None = None
 
 
 class RecoveryConfig(_Section):
@@ -448,10 +451,13 @@ def _same_path(a: str, b: str) -> bool:
 class DnsSource(_Section):
     """One name to resolve (DESIGN §10): SRV records (each target a host name and a port,
     as a Kubernetes headless Service gives for a StatefulSet's pods), or, when the name has
-    none, its A/AAAA records with `port`. Every engine found gets this role and kv_role."""
+    none, its A/AAAA records with `port`. Every engine found gets this role and kv_role.
+    `port` is the engines' HTTP port: with SRV records, only the records on it are engines
+    (a Service with several ports answers SRV for each); not set, a target must have one
+    port (`_http._tcp.<service>` names a named port), and A/AAAA answers use 8000."""
 
     name: str = Field(min_length=1)
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535)
     role: RoleField
     kv_role: KvRoleField = None
     api: Literal["vllm", "llamacpp"] = "vllm"
