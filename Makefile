@@ -4,13 +4,25 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-real test lint typecheck pytest pytest-single test-fast clean system-deps bench bench-quick soak
+.PHONY: demo demo-real lock test lint typecheck pytest pytest-single test-fast clean system-deps bench bench-quick soak
 
-$(STAMP): pyproject.toml
+# Every dependency at the version in requirements/ci.lock (pyproject.toml declares ranges).
+LOCK   := requirements/ci.lock
+
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -c $(LOCK) -e '.[test]'
 	touch $(STAMP)
+
+# Re-resolve the locks from pyproject.toml's ranges, keeping every pin that still fits
+# (`make lock UPGRADE=1` moves each to the newest in range). CI and the image install from them.
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 $(if $(UPGRADE),--upgrade) --quiet
+lock: $(STAMP)
+	$(BIN)/pip install --quiet 'uv>=0.13,<1'
+	$(UV_COMPILE) --extra test --extra tracing -o requirements/ci.lock
+	$(UV_COMPILE) --extra tracing -c requirements/ci.lock -o requirements/runtime.lock
 
 demo: $(STAMP)
 	$(BIN)/narwhal-serve --demo

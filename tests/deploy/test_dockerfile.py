@@ -96,9 +96,19 @@ def test_the_install_step_is_deploy_install_sh(dockerfile: Dockerfile) -> None:
         for words in [i.words()]
         for src in words[:-1]
     }
-    assert {"/src/pyproject.toml", "/src/README.md", "/src/src", f"/src/{INSTALL_SCRIPT}"} <= copied
+    assert {
+        "/src/pyproject.toml",
+        "/src/README.md",
+        "/src/LICENSE",
+        "/src/requirements/runtime.lock",
+        "/src/src",
+        f"/src/{INSTALL_SCRIPT}",
+    } <= copied
     script = (REPO / INSTALL_SCRIPT).read_text()
-    assert re.search(r'"\$PYTHON" -m pip install --no-cache-dir\b.*"\$1"', script)
+    # The tracing extra, pinned by the lock the build copied.
+    assert "$1/requirements/runtime.lock" in script
+    pip = r'"\$PYTHON" -m pip install --no-cache-dir\b.*-c "\$LOCK"\S* "\$1\[tracing\]"'
+    assert re.search(pip, script, re.S)
 
 
 def test_what_the_build_copies_exists_and_passes_the_dockerignore(dockerfile: Dockerfile) -> None:

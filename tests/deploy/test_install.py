@@ -103,3 +103,23 @@ def test_install_sh_in_a_clean_venv_gives_working_console_scripts(tmp_path: Path
     assert data
     missing = [str(p) for p in data if not (installed / p).is_file()]
     assert missing == []
+
+    # The tracing extra ships in the image, and every dependency is at its locked version.
+    frozen = subprocess.run(
+        [str(bin_dir / "python"), "-m", "pip", "freeze", "--exclude-editable"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    installed_pins = {_pin(line) for line in frozen.splitlines() if "==" in line}
+    locked = REPO / "requirements" / "runtime.lock"
+    locked_pins = {_pin(line) for line in locked.read_text().splitlines() if "==" in line}
+    assert {p for p in installed_pins if not p.startswith("narwhal-router==")} == locked_pins
+    assert any(p.startswith("opentelemetry-sdk==") for p in installed_pins)
+
+
+def _pin(line: str) -> str:
+    """`Name_x==1.0` as `name-x==1.0` (pip freeze and the lock spell names differently)."""
+    name, version = line.split("==", 1)
+    return f"{name.strip().lower().replace('_', '-')}=={version.strip()}"
