@@ -51,7 +51,7 @@ def describe(venv: BenchVenv) -> dict[str, Any]:
         "memory_gib": _mem_total_gib(),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "narwhal": _version("narwhal"),
+        "narwhal": _version("narwhal-router"),
         "aiohttp": _version("aiohttp"),
         "peers": dict(venv.installed),
         "peer_failures": dict(venv.failed),

@@ -90,5 +90,5 @@ def make_tracer(config: TracingConfig) -> RequestTracer | None:
     try:
         return RequestTracer(config)
     except ImportError as exc:
-        log.error("tracing: %s; install narwhal[tracing] (spans are off)", exc)
+        log.error("tracing: %s; install narwhal-router[tracing] (spans are off)", exc)
         return None
