@@ -1,0 +1,79 @@
+"""The placement decision: cached prefix against load, the imbalance guard, rotation."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.placement.score import Load, Weights, rank
+
+
+def ids(ranked: list) -> list[str]:
+    return [r.id for r in ranked]
+
+
+def test_the_engine_holding_the_prefix_wins_at_equal_load() -> None:
+    engines = [Load("a", 1), Load("b", 1), Load("c", 1)]
+    ranked = rank(engines, {"b": 960}, prompt_tokens=1000, turn=0)
+    assert ids(ranked)[0] == "b"
+    assert ranked[0].matched_tokens == 960
+
+
+def test_a_longer_prefix_beats_a_shorter_one() -> None:
+    engines = [Load("a", 0), Load("b", 0)]
+    assert ids(rank(engines, {"a": 200, "b": 800}, 1000, 0))[0] == "b"
+
+
+def test_a_small_extra_load_does_not_move_a_long_prefix() -> None:
+    engines = [Load("a", 3), Load("b", 2)]
+    assert ids(rank(engines, {"a": 900}, 1000, 0))[0] == "a"
+
+
+def test_without_matches_the_least_loaded_wins_counting_scraped_waiting() -> None:
+    engines = [Load("a", 1, waiting=5), Load("b", 2, waiting=0), Load("c", 4)]
+    assert ids(rank(engines, {}, 100, 0)) == ["b", "c", "a"]
+
+
+def test_the_imbalance_guard_ignores_the_cache_when_one_engine_is_swamped() -> None:
+    engines = [Load("hot", 20), Load("cold", 1)]
+    ranked = rank(engines, {"hot": 1000}, 1000, 0, weights=Weights(imbalance_abs=8))
+    assert ids(ranked)[0] == "cold"
+    # Below the absolute threshold the cache still decides.
+    assert ids(rank([Load("hot", 6), Load("cold", 1)], {"hot": 1000}, 1000, 0))[0] == "hot"
+
+
+def test_decode_counts_kv_usage_against_an_engine() -> None:
+    engines = [Load("full", 0, kv_usage=0.9), Load("room", 0, kv_usage=0.1)]
+    assert ids(rank(engines, {}, 100, 0, decode=True))[0] == "room"
+    # Prefill ignores it: ties go by rotation.
+    assert ids(rank(engines, {}, 100, 0))[0] == "full"
+
+
+def test_ties_rotate_with_the_turn() -> None:
+    engines = [Load("a", 0), Load("b", 0), Load("c", 0)]
+    firsts = [ids(rank(engines, {}, 10, turn))[0] for turn in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_a_match_longer_than_the_prompt_counts_as_the_whole_prompt() -> None:
+    (only,) = rank([Load("a", 0)], {"a": 5000}, 100, 0)
+    assert only.matched_tokens == 100
+
+
+def test_no_candidates_no_decision() -> None:
+    assert rank([], {"a": 10}, 10, 0) == []
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(0, 2000)), min_size=1, max_size=6),
+    st.integers(1, 2000),
+    st.integers(0, 100),
+)
+def test_every_candidate_is_ranked_once_and_never_one_outside(
+    rows: list[tuple[int, int]], prompt: int, turn: int
+) -> None:
+    engines = [Load(f"e{i}", load) for i, (load, _) in enumerate(rows)]
+    matched = {f"e{i}": hit for i, (_, hit) in enumerate(rows)}
+    ranked = rank(engines, matched, prompt, turn)
+    assert sorted(ids(ranked)) == sorted(e.id for e in engines)
+    assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
