@@ -4,7 +4,10 @@ watched file, over real `narwhal-sim` engines.
 DNS: SRV records as a Kubernetes headless Service gives a StatefulSet (a stable host name per
 pod); pods added, removed after `discovery.grace_s` (never ejected), the same name at a new
 address (relocated); A records when the name has no SRV records; a DNS server that does not
-answer changes nothing. File: engines added, changed and removed by editing it, and a file
+answer changes nothing. A Service with two ports (HTTP and the NIXL side channel) answers SRV
+for both under its plain name: each pod is one engine on its HTTP port, by the source's
+`port` or the named port's `_http._tcp.` name, stable across rounds; without either, the
+answer is refused. File: engines added, changed and removed by editing it, and a file
 that does not validate changes nothing.
 """
 
@@ -167,6 +170,107 @@ async def test_a_name_without_srv_records_gives_one_engine_per_address(
     finally:
         for sim in started:
             sim.close()
+
+
+@pytest.fixture
+def two_port_pods(dns: Dnsmasq) -> Iterator[tuple[SimProcess, dict[str, SimProcess]]]:
+    """A prefill, and two decode pods of a Service with an `http` and a `nixl` port, as
+    Kubernetes DNS answers for it: the plain name has both ports of each pod (the side
+    channel's first for one of them), `_http._tcp.` and `_nixl._tcp.` one each. The pods
+    share their HTTP port on two loopback addresses, as a StatefulSet's pods do; nothing
+    answers HTTP on the side-channel port."""
+    http_port, nixl_port = free_port(), free_port()
+    started: list[SimProcess] = []
+    try:
+        pods = {}
+        for name, host in (("d0.decode.test", "127.0.0.2"), ("d1.decode.test", "127.0.0.3")):
+            pods[name] = SimProcess(*D, host=host, port=http_port).start()
+            started.append(pods[name])
+        prefill = SimProcess("--role", "prefill", "--kv-role", "kv_producer").start()
+        started.append(prefill)
+        dns.serve(
+            {
+                "decode.test": [
+                    ("d0.decode.test", nixl_port),
+                    ("d0.decode.test", http_port),
+                    ("d1.decode.test", http_port),
+                    ("d1.decode.test", nixl_port),
+                ],
+                "_http._tcp.decode.test": [(n, http_port) for n in pods],
+                "_nixl._tcp.decode.test": [(n, nixl_port) for n in pods],
+            },
+            {"d0.decode.test": ["127.0.0.2"], "d1.decode.test": ["127.0.0.3"]},
+        )
+        yield prefill, pods
+    finally:
+        for sim in started:
+            sim.close()
+
+
+@pytest.mark.parametrize("by", ["port", "named-port"])
+async def test_a_two_port_service_gives_one_engine_per_pod_on_its_http_port(
+    by: str,
+    dns: Dnsmasq,
+    two_port_pods: tuple[SimProcess, dict[str, SimProcess]],
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    prefill, pods = two_port_pods
+    http_port = int(pods["d0.decode.test"].url.rsplit(":", 1)[1])
+    source: dict[str, Any] = {"role": "decode", "kv_role": "kv_consumer"}
+    if by == "port":
+        source.update(name="decode.test", port=http_port)
+    else:
+        source.update(name="_http._tcp.decode.test")
+    rr = await _router(
+        start_router, prefill, _discovery(nameservers=[dns.nameserver], dns=[source])
+    )
+    want = {"p0": prefill.url, **{name: sim.url for name, sim in pods.items()}}
+    await _until(http, rr, want)
+    await _complete(http, rr)
+
+    # Stable across rounds: never relocated to the side channel and back, never removed.
+    rounds = "narwhal_discovery_rounds_total"
+    seen = await metric(http, rr.url, rounds, source="dns", result="ok")
+
+    async def five_more_rounds() -> bool:
+        return await metric(http, rr.url, rounds, source="dns", result="ok") >= seen + 5
+
+    await eventually(five_more_rounds, timeout_s=10, what="five more DNS rounds")
+    await _until(http, rr, want)
+    async with http.get(rr.url + "/metrics") as resp:
+        text = await resp.text()
+    changes = "narwhal_membership_changes_total"
+    assert metric_sum(text, changes, change="added", source="dns") == 2
+    assert metric_sum(text, changes, change="relocated", source="dns") == 0
+    assert metric_sum(text, changes, change="removed", source="dns") == 0
+    assert metric_sum(text, "narwhal_discovered_engines", source="dns") == 2
+    assert metric_sum(text, rounds, source="dns", result="failed") == 0
+
+
+async def test_a_two_port_service_without_a_port_to_choose_is_refused(
+    dns: Dnsmasq,
+    two_port_pods: tuple[SimProcess, dict[str, SimProcess]],
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The plain name and no `port`: each pod has two ports, and which one serves HTTP is
+    not guessed. The round fails (logged and counted) and adds nothing."""
+    prefill, _ = two_port_pods
+    source = {"name": "decode.test", "role": "decode"}
+    rr = await _router(
+        start_router, prefill, _discovery(nameservers=[dns.nameserver], dns=[source])
+    )
+    rounds = "narwhal_discovery_rounds_total"
+
+    async def refused() -> bool:
+        return await metric(http, rr.url, rounds, source="dns", result="failed") >= 3
+
+    await eventually(refused, timeout_s=10, what="the ambiguous answer refused")
+    assert set(await _engines(http, rr)) == {"p0"}
+    assert rr.router.discovery is not None
+    error = rr.router.discovery.errors["dns"] or ""
+    assert "has ports" in error and "_http._tcp." in error, error
 
 
 async def test_a_watched_file_adds_changes_and_removes_engines(

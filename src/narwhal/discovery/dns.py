@@ -2,10 +2,12 @@
 ports), falling back to A/AAAA records of the name itself.
 
 Each SRV target is one engine whose id is its host name, so a rescheduled pod keeps its
-identity and shows up at its new address (a relocation). Without SRV records, each address of
-the name is one engine, named after the address. A name that does not exist, or has no
-records, is an empty answer (the engines vanished); a timeout or a server failure is a
-`DiscoveryFailed`, which changes nothing.
+identity and shows up at its new address (a relocation); its port is the one that serves HTTP
+(`srv.engines`: the source's `port`, or the target's only port). Without SRV records, each
+address of the name is one engine on the source's `port` (8000 when not set), named after the
+address. A name that does not exist, or has no records, is an empty answer (the engines
+vanished); a timeout, a server failure or an ambiguous answer is a `DiscoveryFailed`, which
+changes nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ import dns.resolver
 from pydantic import ValidationError
 
 from narwhal.config import DnsSource, EngineConfig
+from narwhal.discovery import srv
 
 log = logging.getLogger("narwhal.discovery")
+
+ADDRESS_PORT = 8000
+"""The engines' port for A/AAAA answers when the source names none (vLLM's default)."""
 
 
 class DiscoveryFailed(Exception):
@@ -52,8 +58,12 @@ def _split(server: str) -> tuple[str, int]:
 
 async def find(source: DnsSource, r: dns.asyncresolver.Resolver) -> list[EngineConfig]:
     """The engines `source` names now."""
-    targets = await _srv(r, source.name)
-    if targets is not None:
+    records = await _srv(r, source.name)
+    if records is not None:
+        try:
+            targets = srv.engines(records, source.port)
+        except srv.Ambiguous as exc:
+            raise DiscoveryFailed(f"{source.name}: {exc}") from None
         found = []
         for host, port in targets:
             addresses = await _addresses(r, host)
@@ -64,22 +74,23 @@ async def find(source: DnsSource, r: dns.asyncresolver.Resolver) -> list[EngineC
             if engine is not None:
                 found.append(engine)
         return found
-    engines = (
-        _engine(source, _address_id(a), a, source.port) for a in await _addresses(r, source.name)
-    )
+    port = ADDRESS_PORT if source.port is None else source.port
+    engines = (_engine(source, _address_id(a), a, port) for a in await _addresses(r, source.name))
     return [e for e in engines if e is not None]
 
 
-async def _srv(r: dns.asyncresolver.Resolver, name: str) -> list[tuple[str, int]] | None:
-    """(host, port) of each SRV record, in priority order; None when the name has none."""
+async def _srv(r: dns.asyncresolver.Resolver, name: str) -> list[srv.Record] | None:
+    """The name's SRV records; None when it has none."""
     try:
         answer = await r.resolve(name, "SRV")
     except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
         return None
     except dns.exception.DNSException as exc:
         raise DiscoveryFailed(f"{name} SRV: {exc}") from None
-    records = sorted(answer, key=lambda rr: (rr.priority, -rr.weight, str(rr.target)))
-    return [(rr.target.to_text(omit_final_dot=True), rr.port) for rr in records]
+    return [
+        srv.Record(rr.target.to_text(omit_final_dot=True), rr.port, rr.priority, rr.weight)
+        for rr in answer
+    ]
 
 
 async def _addresses(r: dns.asyncresolver.Resolver, name: str) -> list[str]:
