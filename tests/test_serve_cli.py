@@ -1,6 +1,7 @@
 """`narwhal-serve` as a subprocess: exit status 2 for a bad config or bad arguments, 1 for a valid
 config that cannot start, each with one clear line on stderr and never a traceback
-(docs/configuration.md, "Exit status")."""
+(docs/configuration.md, "Exit status"); `--check-config` refuses what a start refuses, with
+the same line; `--version`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+import narwhal
+from tests.e2e.test_readmission_support import Pki
 
 PREFIX = "narwhal-serve: "
 
@@ -109,6 +113,126 @@ def test_no_arguments_exits_2(tmp_path: Path) -> None:
     assert all(flag in line for flag in ("--config", "--check-config", "--demo")), line
 
 
+# --- --check-config runs the start-up checks: what a start refuses, it refuses alike ------------
+
+
+def _file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _pki(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Two self-signed certificates: (a's cert, a's key, b's key)."""
+    pki = Pki(tmp_path / "pki")
+    a, b = pki.ca("a"), pki.ca("b")
+    return a, a.with_suffix(".key"), b.with_suffix(".key")
+
+
+def _refusals() -> list[Any]:
+    """(overrides built from tmp_path, extra flags, the key the line names)."""
+
+    def under_a_file(section: str) -> Any:
+        def build(tmp: Path) -> dict[str, Any]:
+            blocker = _file(tmp, "not-a-directory", "")
+            overrides: dict[str, Any] = {"lease": {"backend": "file"}}
+            overrides[section] = {**overrides.get(section, {}), "path": f"{blocker}/s/x.json"}
+            return overrides
+
+        return build
+
+    def mismatched_tls(tmp: Path) -> dict[str, Any]:
+        cert, _, other_key = _pki(tmp)
+        return {"tls": {"cert_file": str(cert), "key_file": str(other_key)}}
+
+    return [
+        pytest.param(lambda t: {"tls": {"cert_file": str(t / "no.pem"), "key_file":
+                                        str(t / "no.key")}}, [], "tls.cert_file", id="tls-missing"),
+        pytest.param(mismatched_tls, [], "tls.cert_file", id="tls-key-not-the-certificate's"),
+        pytest.param(lambda t: {"engine": {"ca_file": _file(t, "ca.pem", "not a pem")}}, [],
+                     "engine.ca_file", id="engine-ca-unloadable"),
+        pytest.param(lambda t: {"admin": {"token_file": str(t / "no-token")}}, [],
+                     "admin.token_file", id="admin-token-file-missing"),
+        pytest.param(lambda t: {"auth": {"api_keys_file": str(t / "no-keys")}}, [],
+                     "auth.api_keys_file", id="api-keys-file-missing"),
+        pytest.param(lambda t: {"auth": {"api_keys_file": _file(t, "keys", "# none\n")}}, [],
+                     "auth", id="api-keys-file-empty"),
+        pytest.param(under_a_file("handoff"), [], "handoff.path", id="handoff-dir-uncreatable"),
+        pytest.param(under_a_file("lease"), [], "lease.path", id="lease-dir-uncreatable"),
+        pytest.param(lambda t: {"handoff": {"path": str(t)}}, [], "handoff.path",
+                     id="handoff-path-is-a-directory"),
+        pytest.param(lambda t: {"listen": "0.0.0.0:8080"}, [], "admin", id="public-no-token"),
+        pytest.param(lambda t: {}, ["--listen", "0.0.0.0:8080"], "admin",
+                     id="public-listen-flag-no-token"),
+        pytest.param(lambda t: {}, ["--standby"], "lease.backend", id="standby-without-lease"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "flags", "key"), _refusals())
+def test_check_config_refuses_what_start_refuses_with_the_same_line(
+    tmp_path: Path, overrides: Callable[[Path], dict[str, Any]], flags: list[str], key: str
+) -> None:
+    config = write(tmp_path, config_dict(tmp_path, **overrides(tmp_path)))
+    before = sorted(tmp_path.rglob("*"))
+    started = serve("--config", str(config), *flags, cwd=tmp_path)
+    checked = serve("--check-config", str(config), *flags, cwd=tmp_path)
+    assert (started.returncode, checked.returncode) == (2, 2), (started.stderr, checked.stderr)
+    line = one_line(started)
+    assert line.startswith(f"{PREFIX}config error: {key}: "), line
+    assert one_line(checked) == line
+    assert sorted(tmp_path.rglob("*")) == before, "a refused config must not create state"
+
+
+def test_check_config_passes_a_config_that_starts_and_creates_nothing(tmp_path: Path) -> None:
+    cert, key, _ = _pki(tmp_path)
+    overrides = {
+        "tls": {"cert_file": str(cert), "key_file": str(key)},
+        "engine": {"ca_file": str(cert)},
+        "admin": {"token_file": _file(tmp_path, "token", "s3cret\n")},
+        "auth": {"api_keys_file": _file(tmp_path, "keys", "k1\n")},
+        "lease": {"backend": "file", "path": str(tmp_path / "new" / "deeper" / "lease.json")},
+    }
+    config = write(tmp_path, config_dict(tmp_path, listen="0.0.0.0:8080", **overrides))
+    before = sorted(tmp_path.rglob("*"))
+    result = serve("--check-config", str(config), "--standby", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"config OK: {config} (2 engines)\n"
+    assert sorted(tmp_path.rglob("*")) == before, "--check-config creates nothing"
+
+
+# --- bad flags: exit 2, one line, no usage block ---------------------------------------------
+
+BAD_FLAGS = [
+    pytest.param(["--log-level", "LOUD", "--config", "x.yaml"], "--log-level", id="log-level"),
+    pytest.param(["--log-format", "xml", "--config", "x.yaml"], "--log-format", id="log-format"),
+    pytest.param(["--config", "x.yaml", "--demo"], "--demo", id="config-and-demo"),
+    pytest.param(["--config"], "--config", id="config-without-file"),
+    pytest.param(["--colour", "blue"], "--colour", id="unknown-flag"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag"), BAD_FLAGS)
+def test_a_bad_flag_exits_2_with_one_line(tmp_path: Path, args: list[str], flag: str) -> None:
+    result = serve(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    line = one_line(result)
+    assert line.startswith(f"{PREFIX}error: "), line
+    assert flag in line, line
+
+
+def test_a_log_level_is_accepted_in_any_case(tmp_path: Path) -> None:
+    config = write(tmp_path, config_dict(tmp_path))
+    result = serve("--log-level", "debug", "--check-config", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_version_prints_the_installed_distribution_version(tmp_path: Path) -> None:
+    result = serve("--version", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"narwhal-serve {narwhal.version()}\n"
+    assert narwhal.version() != "unknown", "the test environment has Narwhal installed"
+
+
 # --- exit 1: a valid config that cannot start ----------------------------------------------------
 
 
@@ -135,21 +259,6 @@ def test_a_listen_host_that_does_not_resolve_exits_1(tmp_path: Path) -> None:
     result = serve("--config", str(config), "--listen", "nowhere.invalid:8080", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert one_line(result).startswith(f"{PREFIX}start-up failed: listen nowhere.invalid:8080: ")
-
-
-@pytest.mark.parametrize("key", ["handoff.path", "lease.path"])
-def test_a_state_directory_that_cannot_be_created_exits_1(tmp_path: Path, key: str) -> None:
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")  # a file where the state directory should be (refused even for root)
-    section = key.split(".")[0]
-    overrides: dict[str, Any] = {"lease": {"backend": "file"}}
-    overrides[section] = {**overrides.get(section, {}), "path": str(blocker / "s" / "x.json")}
-    config = write(tmp_path, config_dict(tmp_path, **overrides))
-    result = serve("--config", str(config), cwd=tmp_path)
-    assert result.returncode == 1, result.stderr
-    line = one_line(result)
-    assert line.startswith(f"{PREFIX}start-up failed: {key}: "), line
-    assert str(blocker / "s") in line, line
 
 
 def test_a_file_lease_directory_is_created_at_start(tmp_path: Path, busy_port: int) -> None:

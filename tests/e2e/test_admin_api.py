@@ -418,10 +418,11 @@ async def test_serve_refuses_a_non_loopback_listen_override_without_an_admin_tok
     assert "admin" in output, output
 
 
-async def test_check_config_does_not_apply_the_listen_rule(tmp_path: Path) -> None:
+async def test_check_config_applies_the_listen_rule_as_a_start_does(tmp_path: Path) -> None:
     path = serve_config(tmp_path, f"0.0.0.0:{free_port()}")
     code, output = await serve("--check-config", str(path))
-    assert code == 0, output
+    assert code == 2, output
+    assert "admin" in output, output
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])

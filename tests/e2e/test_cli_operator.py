@@ -19,6 +19,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+import narwhal as narwhal_package
 from tests.e2e.test_readmission_support import (
     DECODE,
     PREFILL,
@@ -318,12 +319,48 @@ async def test_handoff_inspect_and_validate_a_live_routers_handoff(
 
 
 # --------------------------------------------------------------------------- robustness
-async def test_a_malformed_url_exits_1_without_a_traceback() -> None:
+async def test_a_malformed_url_is_a_usage_error_without_a_traceback() -> None:
     for command in (("status",), ("drain", "p0"), ("lease",), ("handoff", "inspect")):
         result = await narwhal("--url", "foo", *command)
-        assert result.code == 1, result
-        assert result.err.startswith("narwhal: bad --url 'foo': "), result.err
+        assert result.code == 2, result
+        assert result.err.startswith("narwhal: error: argument --url: 'foo' "), result.err
         assert "Traceback" not in result.err
+
+
+BAD_FLAGS = [
+    pytest.param(["status", "--url", "ftp://x"], "narwhal status", "--url", id="url-after"),
+    pytest.param(["status", "--watch", "--interval-s", "nan"], "narwhal status", "--interval-s",
+                 id="interval-nan"),
+    pytest.param(["status", "--watch", "--interval-s", "-1"], "narwhal status", "--interval-s",
+                 id="interval-negative"),
+    pytest.param(["status", "--watch", "--count", "0"], "narwhal status", "--count", id="count"),
+    pytest.param(["drain", "p0", "--wait", "--timeout-s", "inf"], "narwhal drain", "--timeout-s",
+                 id="drain-timeout"),
+    pytest.param(["engines", "remove", "p0", "--timeout-s", "-5"], "narwhal engines remove",
+                 "--timeout-s", id="membership-timeout"),
+    pytest.param(["engines", "add", "e9", "http://h:1", "--role", "encode"],
+                 "narwhal engines add", "--role", id="bad-role"),
+    pytest.param(["explode"], "narwhal", "explode", id="unknown-command"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "prog", "flag"), BAD_FLAGS)
+async def test_a_bad_flag_exits_2_with_one_line_before_calling_the_router(
+    args: list[str], prog: str, flag: str
+) -> None:
+    # No router at this URL: a flag checked only after a call would exit 1 instead.
+    result = await narwhal("--url", f"http://127.0.0.1:{free_port()}", *args)
+    assert result.code == 2, result
+    assert result.out == ""
+    (line,) = result.err.splitlines()  # one line, no usage block, no traceback
+    assert line.startswith(f"{prog}: error: "), line
+    assert flag in line, line
+
+
+async def test_version_prints_the_installed_distribution_version() -> None:
+    result = await narwhal("--version")
+    assert result.code == 0, result
+    assert result.out == f"narwhal {narwhal_package.version()}\n"
 
 
 Answer = tuple[int, str, str]  # status, content type, body

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+import narwhal
 from narwhal.sim.fleet import check_layout, fleet_specs
 from tests.support.poll import eventually
 from tests.support.sim_process import READY_PREFIX, SimFactory, SimProcess
@@ -233,6 +234,12 @@ def sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
                      "--concurrency", id="bench-no-concurrency"),
         pytest.param(["bench", "--url", "http://127.0.0.1:1", "--duration-s", "-1"],
                      "--duration-s", id="bench-negative-duration"),
+        pytest.param(["bench", "--url", "127.0.0.1:9001"], "--url", id="bench-url-no-scheme"),
+        pytest.param(["serve", "--log-level", "LOUD"], "--log-level", id="log-level"),
+        pytest.param(["fleet", "--log-level", "LOUD"], "--log-level", id="fleet-log-level"),
+        pytest.param(["serve", "--seed", "x"], "--seed", id="seed-not-a-number"),
+        pytest.param(["serve", "--kv-load-failure-policy", "x"], "--kv-load-failure-policy",
+                     id="not-a-choice"),
     ],
 )  # fmt: skip
 def test_an_out_of_range_option_is_a_usage_error(args: list[str], named: str) -> None:
@@ -240,9 +247,16 @@ def test_an_out_of_range_option_is_a_usage_error(args: list[str], named: str) ->
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     assert "Traceback" not in result.stderr
-    error = result.stderr.strip().splitlines()[-1]
+    (error,) = result.stderr.splitlines()  # one line: no usage block
     assert error.startswith(f"narwhal-sim {args[0]}: error: "), result.stderr
     assert named in error, error
+
+
+@pytest.mark.parametrize("args", [["--version"], ["serve", "--version"]])
+def test_version_prints_the_installed_distribution_version(args: list[str]) -> None:
+    result = sim_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"narwhal-sim {narwhal.version()}\n"
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+from narwhal.cli.args import POSITIVE
 from narwhal.cli.progress import follow
 from narwhal.config import KvRole, Role
 
@@ -40,7 +41,7 @@ def add_parsers(engines: argparse.ArgumentParser, common: list[argparse.Argument
     )
     for parser in (add, remove):
         parser.add_argument(
-            "--timeout-s", type=float, default=120.0, help="how long to follow the change"
+            "--timeout-s", type=POSITIVE, default=120.0, help="how long to follow the change"
         )
         parser.add_argument(
             "--no-wait", action="store_true", help="return once the router accepted the change"

@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any
 
 from narwhal.cli import membership, progress
+from narwhal.cli.args import POSITIVE, POSITIVE_INT, Parser, add_version, http_url
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -109,20 +110,22 @@ URL_HELP = "the router's base URL (default: $NARWHAL_URL, else http://127.0.0.1:
 TOKEN_HELP = "the admin bearer token (default: $NARWHAL_ADMIN_TOKEN)"
 
 
-def _connection_flags() -> argparse.ArgumentParser:
+def _connection_flags() -> Parser:
     """`--url`/`--token` again on every subcommand, so they may follow it too
     (`narwhal drain p1 --url ...`). SUPPRESS: absent there, the top-level value (flag, else
     environment) stands; given in both places, the later one wins."""
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--url", default=argparse.SUPPRESS, help=URL_HELP)
+    flags = Parser(add_help=False)
+    flags.add_argument("--url", type=http_url, default=argparse.SUPPRESS, help=URL_HELP)
     flags.add_argument("--token", default=argparse.SUPPRESS, help=TOKEN_HELP)
     return flags
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="narwhal", description=__doc__)
+    p = Parser(prog="narwhal", description=__doc__)
+    add_version(p)
     p.add_argument(
         "--url",
+        type=http_url,
         default=os.environ.get("NARWHAL_URL", "http://127.0.0.1:8080"),
         help=URL_HELP,
     )
@@ -131,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", parents=common, help="engines, monitor and lease at a glance")
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    status.add_argument("--interval-s", type=float, default=2.0, help="with --watch")
-    status.add_argument("--count", type=int, help="with --watch: stop after this many")
+    status.add_argument("--interval-s", type=POSITIVE, default=2.0, help="with --watch")
+    status.add_argument("--count", type=POSITIVE_INT, help="with --watch: stop after this many")
     events = sub.add_parser("events", parents=common, help="the event timeline")
     events.add_argument("--follow", action="store_true", help="print new events as they come")
     engines = sub.add_parser("engines", parents=common, help="the engines as the router sees them")
     engines.add_argument("--json", action="store_true")
-    membership.add_parsers(engines, common)
+    membership.add_parsers(engines, [*common])
     for name in ("drain", "maintenance", "readmit"):
         action = sub.add_parser(name, parents=common, help=f"{name} an engine")
         action.add_argument("engine_id")
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             action.add_argument(
                 "--wait", action="store_true", help="follow it until nothing is in flight"
             )
-            action.add_argument("--timeout-s", type=float, default=600.0, help="with --wait")
+            action.add_argument("--timeout-s", type=POSITIVE, default=600.0, help="with --wait")
         if name == "maintenance":
             action.add_argument(
                 "--migrate",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import signal
 import socket
@@ -15,16 +14,16 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from narwhal.cli.args import Parser, add_log_level, add_version
+from narwhal.cli.startup import startup_problems, state_paths
 from narwhal.config import Config, ConfigError, load_config, parse_config
-from narwhal.dataplane.auth import key_problems
 from narwhal.telemetry.logs import configure as configure_logging
-from narwhal.tls import engine_context, server_context
 
 if TYPE_CHECKING:
     from narwhal.server import Router
 
 EXIT_CONFIG = 2  # a bad config file or bad arguments
-EXIT_START = 1  # a valid config that could not start (port in use, state directory not writable)
+EXIT_START = 1  # a valid config that could not start (the port in use, the host unresolvable)
 
 
 class StartupError(Exception):
@@ -32,14 +31,21 @@ class StartupError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="narwhal-serve", description=__doc__)
-    p.add_argument("--config", help="the YAML configuration file")
-    p.add_argument("--check-config", metavar="FILE", help="validate FILE and exit")
-    p.add_argument("--demo", action="store_true", help="start a local simulated fleet too")
+    p = Parser(prog="narwhal-serve", description=__doc__)
+    add_version(p)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--config", metavar="FILE", help="the YAML configuration file")
+    mode.add_argument(
+        "--check-config",
+        metavar="FILE",
+        help="run every start-up check that needs no network on FILE (with --listen and "
+        "--standby as given), then exit: 0 when it would start, 2 naming each problem",
+    )
+    mode.add_argument("--demo", action="store_true", help="start a local simulated fleet too")
     p.add_argument("--listen", help="host:port, overrides `listen` from the config")
     p.add_argument("--resume", action="store_true", help="apply the saved handoff if it matches")
     p.add_argument("--standby", action="store_true", help="run as a warm standby")
-    p.add_argument("--log-level", default="INFO")
+    add_log_level(p, "INFO")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     return p
 
@@ -50,39 +56,15 @@ def _fail_config(problems: list[str]) -> int:
     return EXIT_CONFIG
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_startable(config: Config) -> list[str]:
-    """Problems that only matter when actually serving (not for --check-config)."""
-    problems = []
-    try:
-        token = config.admin.resolve_token()
-    except OSError as exc:
-        return [f"admin.token_file: cannot read: {exc.strerror or exc}"]
-    if token is None and not _is_loopback(config.listen_host):
-        problems.append(
-            "admin: the admin API needs a token to listen on a non-loopback address "
-            f"({config.listen_host})"
-        )
-    problems += key_problems(config.auth)
-    try:
-        server_context(config.tls)
-        engine_context(config.engine.ca_file)
-    except ConfigError as exc:
-        problems += exc.problems
-    return problems
+def check_startable(config: Config, *, standby: bool = False) -> list[str]:
+    """Every start-up check that needs no network (`narwhal.cli.startup`): what `--config`
+    refuses, `--check-config` refuses too, with the same line."""
+    return startup_problems(config, standby=standby)
 
 
 def _demo_problems(listen: str) -> list[str]:
     """The demo's config with placeholder engines, checked before any sim starts: the same
-    listen and admin rules as a --config run (the demo has no admin token)."""
+    checks as a --config run (the demo has no admin token)."""
     from narwhal.cli.demo import demo_config
 
     try:
@@ -94,11 +76,9 @@ def _demo_problems(listen: str) -> list[str]:
 
 def _make_state_dirs(config: Config) -> None:
     """Create the directories of the handoff document and of a `file` lease, so a fresh host
-    starts; a directory that cannot be created is a StartupError naming its key."""
-    paths = {"handoff.path": config.handoff.path}
-    if config.lease.backend == "file":
-        paths["lease.path"] = config.lease.path
-    for key, path in paths.items():
+    starts. The start-up checks found them creatable; one that still cannot be created (the
+    host changed since) is a StartupError naming its key."""
+    for key, path in state_paths(config).items():
         directory = Path(path).parent
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -178,42 +158,44 @@ def _run(coro: Coroutine[Any, Any, None]) -> int:
     return 0
 
 
+def _load(path: str, listen: str | None) -> Config:
+    """The config file, with `--listen` applied (ConfigError naming the key)."""
+    config = load_config(path)
+    if listen:
+        config = parse_config({**config.model_dump(mode="json"), "listen": listen})
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    if args.check_config:
-        try:
-            config = load_config(args.check_config)
-        except ConfigError as exc:
-            return _fail_config(exc.problems)
-        print(f"config OK: {args.check_config} ({len(config.engines)} engines)")
-        return 0
     if args.demo:
         listen = args.listen or "127.0.0.1:8080"
         problems = _demo_problems(listen)
         if problems:
             return _fail_config(problems)
         return _run(_demo(listen))
-    if not args.config:
+    path = args.check_config or args.config
+    if not path:
         print("narwhal-serve: give --config FILE, --check-config FILE or --demo", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        config = load_config(args.config)
-        if args.listen:
-            config = parse_config({**config.model_dump(mode="json"), "listen": args.listen})
+        config = _load(path, args.listen)
     except ConfigError as exc:
         return _fail_config(exc.problems)
-    problems = check_startable(config)
+    # One set of checks for both: a config --check-config calls OK is one --config starts.
+    problems = check_startable(config, standby=args.standby)
     if problems:
         return _fail_config(problems)
-    if args.standby and config.lease.backend == "none":
-        return _fail_config(["lease.backend: --standby needs a shared lease (file or etcd)"])
+    if args.check_config:
+        print(f"config OK: {path} ({len(config.engines)} engines)")
+        return 0
     if args.standby and config.standby.active_url is None:
         logging.getLogger("narwhal.serve").warning(
             "standby.active_url is not set: this standby takes over only when the lease "
             "expires, never after standby.takeover_threshold failing /ready checks"
         )
-    return _run(_serve(config, Path(args.config), resume=args.resume, standby=args.standby))
+    return _run(_serve(config, Path(path), resume=args.resume, standby=args.standby))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import random
 import signal
 import socket
@@ -20,6 +19,18 @@ from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
+from narwhal.cli.args import (
+    COUNT,
+    LISTEN_PORT,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    POSITIVE_INT,
+    Parser,
+    add_log_level,
+    add_version,
+    http_url,
+)
 from narwhal.clock import SystemClock
 from narwhal.sim.bench import run_bench
 from narwhal.sim.config import KvRole, LoadFailurePolicy, Role, SimConfig
@@ -29,31 +40,6 @@ from narwhal.sim.server import SimServer
 
 _COMMANDS = ("serve", "fleet", "bench")
 EXIT_START = 1  # valid arguments, but the engine could not start (port in use, host unknown)
-
-
-def _ranged(
-    kind: Callable[[str], float], name: str, ok: Callable[[float], bool]
-) -> Callable[[str], float]:
-    """An argparse type: parse with `kind`, refuse values outside the range `name` describes."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}")
-        return value
-
-    return parse
-
-
-PORT = _ranged(int, "a port (0-65535)", lambda v: 0 <= v <= 65535)
-LISTEN_PORT = _ranged(int, "a port (1-65535)", lambda v: 1 <= v <= 65535)
-POSITIVE_INT = _ranged(int, "an integer > 0", lambda v: v > 0)
-COUNT = _ranged(int, "an integer >= 0", lambda v: v >= 0)
-POSITIVE = _ranged(float, "a number > 0", lambda v: v > 0)
-NON_NEGATIVE = _ranged(float, "a number >= 0", lambda v: v >= 0)
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -96,13 +82,15 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='a fault as the /sim/faults API takes it, e.g. \'{"kind":"no_done"}\'; repeatable',
     )
-    p.add_argument("--log-level", default="WARNING")
+    add_log_level(p, "WARNING")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="narwhal-sim", description=__doc__.split("\n")[0])
+    parser = Parser(prog="narwhal-sim", description=__doc__.split("\n")[0])
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run one simulated vLLM engine")
+    add_version(serve)  # `narwhal-sim --version` is `narwhal-sim serve --version`
     _engine_options(serve)
     fleet = sub.add_parser(
         "fleet",
@@ -114,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--base-port", type=LISTEN_PORT, default=9001, help="decode engines at +100")
     fleet.add_argument("--host", default="127.0.0.1")
     bench = sub.add_parser("bench", help="measure an engine's non-streaming throughput")
-    bench.add_argument("--url", required=True)
+    bench.add_argument("--url", type=http_url, required=True)
     bench.add_argument("--concurrency", type=POSITIVE_INT, default=32)
     bench.add_argument("--duration-s", type=POSITIVE, default=5.0)
     bench.add_argument("--max-tokens", type=POSITIVE_INT, default=16)
@@ -177,7 +165,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         faults = [FaultSpec.model_validate_json(f) for f in args.fault]
     except ValidationError as exc:
         args.command_parser.error(f"--fault: {exc}")
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr)
     server = SimServer(
         _config(args),
         clock=SystemClock(),
@@ -211,7 +199,7 @@ def _check_fleet(args: argparse.Namespace, extra: list[str]) -> None:
     for arg in extra:
         if arg.split("=", 1)[0] in FLEET_SETS:
             fleet.error(f"{arg.split('=', 1)[0]}: the fleet sets it for each engine")
-    engine = argparse.ArgumentParser(prog=fleet.prog, usage=fleet.usage, add_help=False)
+    engine = Parser(prog=fleet.prog, usage=fleet.usage, add_help=False)
     _engine_options(engine)
     engine.parse_args(extra)
 

@@ -1,0 +1,33 @@
+"""`narwhal.version()`: the installed distribution's version, read from its metadata by the one
+distribution name in `narwhal.DISTRIBUTION` (every CLI's `--version` prints it)."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+
+import narwhal
+
+
+def test_the_version_is_the_installed_distributions() -> None:
+    installed = []
+    for name in (narwhal.DISTRIBUTION, *narwhal._FORMER_DISTRIBUTIONS):
+        try:
+            installed.append(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            continue
+    assert installed, "the test environment has Narwhal installed"
+    assert narwhal.version() == installed[0]
+
+
+def test_the_distribution_is_named_once() -> None:
+    assert narwhal.DISTRIBUTION == "narwhal-router"
+
+
+def test_a_source_tree_that_was_never_installed_says_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(narwhal, "DISTRIBUTION", "narwhal-router-not-installed")
+    monkeypatch.setattr(narwhal, "_FORMER_DISTRIBUTIONS", ())
+    assert narwhal.version() == "unknown"
