@@ -24,6 +24,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from narwhal.clock import Clock, SystemClock
 from narwhal.config import Config, ConfigError, load_config
+from narwhal.control import config_watch
 from narwhal.control.discovery import Discovery
 from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
@@ -546,6 +547,10 @@ class Router:
                     asyncio.get_running_loop().add_signal_handler(
                         signal.SIGHUP, lambda: tg.create_task(self._reload_on_signal())
                     )
+                    watch_s = self.config.controller.config_watch_interval_s
+                    if watch_s is not None:  # a ConfigMap mount: no SIGHUP comes
+                        path, clock = self.config_path, self.clock
+                        tg.create_task(config_watch.watch(path, watch_s, clock, self.reload))
                 if self.ownership is not None:
                     tg.create_task(self.ownership.run())
                 if self.etcd_status is not None:

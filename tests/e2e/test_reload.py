@@ -1,7 +1,9 @@
 """Config reload without a restart (DESIGN §10, issue 19): `POST /admin/reload`, `narwhal
 reload` and SIGHUP re-read the YAML file, validate it whole, apply the engine set as
 membership changes and new timeouts to new requests, and report the keys that need a restart.
-A file that does not validate changes nothing, and the answer names the key."""
+A file that does not validate changes nothing, and the answer names the key. With
+`controller.config_watch_interval_s`, a file swapped the way kubelet updates a ConfigMap
+mount is reloaded by itself."""
 
 from __future__ import annotations
 
@@ -175,3 +177,77 @@ async def test_sighup_and_the_cli_reload_the_file(
         "applied: engines, serving.max_attempts",
         "engines: removed d0",
     ]
+
+
+def _kubelet_update(root: Path, version: str, config: dict[str, Any]) -> Path:
+    """Publish `config` as kubelet updates a ConfigMap volume: the file in a fresh directory,
+    the `..data` symlink swapped to it by a rename, the old directory removed. The router's
+    path, `root/narwhal.yaml -> ..data/narwhal.yaml`, never changes."""
+    fresh = root / f"..{version}"
+    fresh.mkdir()
+    _write(fresh / "narwhal.yaml", config)
+    data = root / "..data"
+    old = data.resolve() if data.is_symlink() else None
+    (root / "..data_tmp").symlink_to(fresh.name)
+    os.replace(root / "..data_tmp", data)
+    path = root / "narwhal.yaml"
+    if not path.is_symlink():
+        path.symlink_to("..data/narwhal.yaml")
+    if old is not None:
+        for child in old.iterdir():
+            child.unlink()
+        old.rmdir()
+    return path
+
+
+async def test_a_watched_configmap_mount_is_reloaded_in_place_when_kubelet_swaps_it(
+    sims: list[SimProcess], start_router: StartRouter, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """`controller.config_watch_interval_s`: no SIGHUP, no admin call, no restart; a new
+    engine joins, a bad file is refused and changes nothing, a removed engine leaves."""
+    sections: dict[str, Any] = {
+        "controller": {"monitor_interval_s": 0.1, "config_watch_interval_s": 0.1}
+    }
+    config = router_config(_engines(sims, "p0", "d0"), tmp_path, **sections)
+    mount = tmp_path / "etc-narwhal"
+    mount.mkdir()
+    path = _kubelet_update(mount, "v1", config)
+    rr = await start_router(config["engines"], router_kwargs={"config_path": path}, **sections)
+    config["serving"] = {**config["serving"], "workers": rr.router.config.serving.workers}
+    config["controller"] = rr.router.config.controller.model_dump()
+
+    # A new engine: joins, verified, in service.
+    config["engines"] = _engines(sims, "p0", "d0", "d1")
+    _kubelet_update(mount, "v2", config)
+
+    async def d1_in_service() -> bool:
+        members = await _members(http, rr)
+        return "d1" in members and members["d1"]["eligible"]
+
+    await eventually(d1_in_service, timeout_s=10, what="d1 added by the watched file")
+    assert await metric(http, rr.url, "narwhal_reloads_total", result="ok") == 1
+
+    # A file that does not validate: refused, nothing changes, and it is not retried.
+    bad = {**config, "serving": {**config["serving"], "request_timeout_s": -1}}
+    _kubelet_update(mount, "v3", bad)
+
+    async def refused() -> float:
+        return await metric(http, rr.url, "narwhal_reloads_total", result="refused")
+
+    await eventually(refused, timeout_s=10, what="the bad file refused")
+    assert set(await _members(http, rr)) == {"p0", "d0", "d1"}
+
+    # Fixed, without d0: d0 drained and forgotten.
+    config["engines"] = _engines(sims, "p0", "d1")
+    _kubelet_update(mount, "v4", config)
+
+    async def d0_gone() -> bool:
+        return set(await _members(http, rr)) == {"p0", "d1"}
+
+    await eventually(d0_gone, timeout_s=10, what="d0 removed by the watched file")
+    assert await metric(http, rr.url, "narwhal_reloads_total", result="ok") == 2
+    assert await metric(http, rr.url, "narwhal_reloads_total", result="refused") == 1
+    assert not rr.task.done()  # the same router all along
+    body = {"model": "demo-model", "prompt": "reloaded in place", "max_tokens": 4}
+    async with http.post(rr.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
