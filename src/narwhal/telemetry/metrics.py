@@ -260,7 +260,7 @@ class Metrics:
         self.engines_unverified = Gauge(
             "narwhal_engines_unverified",
             "Engines not yet verified (no healthy answer naming the configured model yet; not "
-            "eligible), by role (prefill, decode, both), read at scrape time",
+            "eligible), by role (prefill, decode, both, embed), read at scrape time",
             ["role"],
             registry=r,
         )
