@@ -16,8 +16,9 @@ from narwhal.clock import Clock
 from narwhal.sim.config import Role
 from narwhal.sim.embeddings import EmbeddingsBody
 from narwhal.sim.embeddings import answer as embeddings_answer
-from narwhal.sim.engine import SimEngine
+from narwhal.sim.engine import Outcome, SimEngine
 from narwhal.sim.faults import Fault, FaultBook, FaultKind, FaultSpec
+from narwhal.sim.kv_publisher import KvEventPublisher
 from narwhal.sim.latency import Sleeper, pause
 from narwhal.sim.leg import Leg, leg_of
 from narwhal.sim.metrics import SimMetrics
@@ -50,8 +51,10 @@ class SimApp:
         clock: Clock,
         sleeper: Sleeper,
         apply_fault: Callable[[FaultSpec], Fault],
+        publisher: KvEventPublisher | None = None,
     ) -> None:
         self._engine = engine
+        self._publisher = publisher
         self._config = engine.config
         self._faults = faults
         self._metrics = metrics
@@ -78,6 +81,8 @@ class SimApp:
         for path in ("/v1/loads", "/get_load"):
             r.add_get(path, self.load)
         r.add_get("/version", self.version)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/sim/kv_events", self.kv_events)
         r.add_get("/sim/requests", self.list_requests)
         r.add_delete("/sim/requests", self.clear_requests)
         r.add_get("/sim/faults", self.list_faults)
@@ -128,7 +133,7 @@ class SimApp:
         try:
             body = parse(TokenizeBody, await _json(request))
             self._check_model(body.model)
-            tokens = body.prompt_ids()
+            tokens = body.prompt_ids(self._engine.tokenizer)
         except RequestError as err:
             return error_response(err)
         return json_response(
@@ -141,8 +146,8 @@ class SimApp:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's shape (`{"tokens": [...]}` -> `{"prompt": ...}`). The sim's token ids are
-        hashes of words, so each id comes back as `<id>`."""
+        """vLLM's shape (`{"tokens": [...]}` -> `{"prompt": ...}`). The default tokenizer's
+        ids are hashes of words, so each id comes back as `<id>`."""
         try:
             doc = await _json(request)
             tokens = doc.get("tokens") if isinstance(doc, dict) else None
@@ -151,7 +156,7 @@ class SimApp:
                 raise RequestError(400, "tokens must be a list of integers", "tokens")
         except RequestError as err:
             return error_response(err)
-        return json_response({"prompt": " ".join(f"<{t}>" for t in tokens)})
+        return json_response({"prompt": self._engine.tokenizer.decode(tokens)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, chat=False)
@@ -234,7 +239,17 @@ class SimApp:
         factor = (slow.spec.factor or 1.0) if slow else 1.0
         if stall := self._faults.fire(FaultKind.STALL_FIRST_TOKEN, leg):
             await pause(self._sleeper, stall.spec.delay_s)
-        outcome = await self._engine.complete(body, leg, factor)
+        async with self._engine.complete(body, leg, factor) as outcome:
+            return await self._answer(request, body, chat, leg, outcome)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        body: CompletionBody | ChatBody,
+        chat: bool,
+        leg: Leg,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or self._engine.new_id()
         env = Envelope(
             chat=chat,
@@ -301,10 +316,21 @@ class SimApp:
         )
 
     async def load(self, request: web.Request) -> web.Response:
-        running = self._engine.running
+        running, waiting = self._engine.running, self._engine.waiting
         return json_response(
-            {"running": running, "waiting": 0, "num_reqs": running, "num_waiting_reqs": 0}
+            {
+                "running": running,
+                "waiting": waiting,
+                "num_reqs": running,
+                "num_waiting_reqs": waiting,
+            }
         )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's (dev-mode) endpoint: every cached block dropped, `AllBlocksCleared` sent."""
+        if not self._engine.reset_prefix_cache():
+            return error_response(RequestError(400, "narwhal-sim runs without a prefix cache"))
+        return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": __version__, "engine": "narwhal-sim"})
@@ -317,6 +343,27 @@ class SimApp:
     async def clear_requests(self, request: web.Request) -> web.Response:
         self._log.clear()
         return web.Response(status=204)
+
+    async def kv_events(self, request: web.Request) -> web.Response:
+        """Where this engine publishes its KV events (ports chosen at start with 0 included)."""
+        p = self._publisher
+        if p is None:
+            return error_response(RequestError(404, "narwhal-sim publishes no KV events"))
+        host = self._config.advertised_host
+        host = f"[{host}]" if ":" in host else host
+        replay = None if p.replay_port is None else f"tcp://{host}:{p.replay_port}"
+        return json_response(
+            {
+                "endpoint": f"tcp://{host}:{p.port}",
+                "replay_endpoint": replay,
+                "topic": p.config.topic,
+                "encoding": p.config.encoding.value,
+                "block_hash": p.config.hash_format.value,
+                "next_sequence": p.next_sequence,
+                "published": p.published,
+                "dropped": p.dropped,
+            }
+        )
 
     async def list_faults(self, request: web.Request) -> web.Response:
         return json_response([f.to_json() for f in self._faults.snapshot()])

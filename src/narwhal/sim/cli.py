@@ -30,12 +30,14 @@ from narwhal.cli.args import (
     add_log_level,
     add_version,
     http_url,
+    ranged,
 )
 from narwhal.clock import SystemClock
 from narwhal.sim.bench import run_bench
 from narwhal.sim.config import KvRole, LoadFailurePolicy, Role, SimConfig
 from narwhal.sim.faults import FaultSpec
 from narwhal.sim.fleet import FLEET_SETS, check_layout, run_fleet
+from narwhal.sim.kv_events import BlockHashFormat, EventEncoding
 from narwhal.sim.server import SimServer
 
 _COMMANDS = ("serve", "fleet", "bench")
@@ -83,6 +85,34 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help='a fault as the /sim/faults API takes it, e.g. \'{"kind":"no_done"}\'; repeatable',
     )
     add_log_level(p, "WARNING")
+    _cache_options(p, d)
+
+
+FRACTION = ranged(float, "a number from 0 to 1", lambda v: 0 <= v <= 1)
+
+
+def _cache_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    """The prefix cache, the waiting queue and the KV-event publisher (docs/simulator.md)."""
+    p.add_argument("--block-size", type=POSITIVE_INT, default=d.block_size, help="tokens")
+    p.add_argument(
+        "--kv-blocks", type=COUNT, default=d.kv_blocks, help="prefix cache blocks (0: no cache)"
+    )
+    p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=None, help="default: no limit")
+    p.add_argument("--kv-events-port", type=PORT, default=None, help="0 picks a free port")
+    p.add_argument("--kv-events-replay-port", type=PORT, default=None, help="0: a free port")
+    p.add_argument("--kv-events-topic", default=d.kv_events_topic)
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=[e.value for e in EventEncoding],
+        default=d.kv_events_encoding.value,
+    )
+    p.add_argument(
+        "--kv-events-block-hash",
+        choices=[f.value for f in BlockHashFormat],
+        default=d.kv_events_block_hash.value,
+    )
+    p.add_argument("--kv-events-drop-fraction", type=FRACTION, default=0.0)
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="a tokenizer.json or its dir")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -130,6 +160,16 @@ def _config(args: argparse.Namespace) -> SimConfig:
         kv_load_timeout_s=args.kv_load_timeout_s,
         token_ids=not args.no_token_ids,
         lora=tuple(args.lora),
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_encoding=EventEncoding(args.kv_events_encoding),
+        kv_events_block_hash=BlockHashFormat(args.kv_events_block_hash),
+        kv_events_drop_fraction=args.kv_events_drop_fraction,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -165,9 +205,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         faults = [FaultSpec.model_validate_json(f) for f in args.fault]
     except ValidationError as exc:
         args.command_parser.error(f"--fault: {exc}")
+    config = _config(args)
+    if problem := config.problem():
+        args.command_parser.error(problem)
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     server = SimServer(
-        _config(args),
+        config,
         clock=SystemClock(),
         rng=random.Random(args.seed),
         faults=faults,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from narwhal.sim.kv_events import BlockHashFormat, EventEncoding
+
 
 class Role(StrEnum):
     """The serving role an operator assigned; informational (reported by /server_info)."""
@@ -52,6 +54,34 @@ class SimConfig:
     # LoRA adapters served under their own names, as vLLM's `--lora-modules NAME=PATH` lists
     # them in /v1/models (the generation is the base model's).
     lora: tuple[str, ...] = ()
+    # The prefix cache: `kv_blocks` blocks of `block_size` tokens (0: no cache, every prompt
+    # computed in full, as before the cache existed).
+    block_size: int = 16
+    kv_blocks: int = 0
+    # vLLM's `--max-num-seqs`: requests running at once; the others wait (None: no limit).
+    max_num_seqs: int | None = None
+    # KV events (vLLM's `--kv-events-config`): None: not published; 0: any free port.
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_topic: str = ""
+    kv_events_encoding: EventEncoding = EventEncoding.MAP
+    kv_events_block_hash: BlockHashFormat = BlockHashFormat.INT
+    kv_events_drop_fraction: float = 0.0
+    # A tokenizer.json (or a directory with one); None: a token per word.
+    tokenizer: str | None = None
+
+    def problem(self) -> str | None:
+        """Why these settings cannot run together (naming the options), or None."""
+        if self.kv_events_port is not None and self.kv_blocks == 0:
+            return "--kv-events-port needs a prefix cache (--kv-blocks)"
+        if self.kv_events_replay_port is not None and self.kv_events_port is None:
+            return "--kv-events-replay-port needs --kv-events-port"
+        if self.kv_blocks and self.kv_blocks * self.block_size < self.max_model_len:
+            return (
+                f"--kv-blocks {self.kv_blocks} x --block-size {self.block_size} tokens cannot "
+                f"hold one prompt of --max-model-len {self.max_model_len}"
+            )
+        return None
 
     @property
     def advertised_host(self) -> str:

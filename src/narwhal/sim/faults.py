@@ -34,10 +34,15 @@ class FaultKind(StrEnum):
     WRONG_MODEL = "wrong_model"
     RESTART = "restart"
     SLOW = "slow"
+    KV_EVENTS_DROP = "kv_events_drop"  # a KV-event message is not sent (its number is spent)
+    KV_EVENTS_SILENT = "kv_events_silent"  # no KV-event message, no replay answer
+    KV_EVENTS_RESTART = "kv_events_restart"  # the KV-event sequence starts again at 0
 
 
 # Server-level actions that happen once, when the fault is added, instead of being kept.
-IMMEDIATE = frozenset({FaultKind.REFUSE_CONNECTIONS, FaultKind.RESTART})
+IMMEDIATE = frozenset(
+    {FaultKind.REFUSE_CONNECTIONS, FaultKind.RESTART, FaultKind.KV_EVENTS_RESTART}
+)
 
 _PARAMS = ("duration_s", "delay_s", "status", "after_tokens", "model", "factor")
 _ALLOWED: dict[FaultKind, frozenset[str]] = {

@@ -2,6 +2,8 @@
 
 Prefill engines listen on base_port, base_port+1, ...; decode engines on base_port+100, ....
 SIGTERM or SIGINT stops every engine (SIGTERM, then SIGKILL after a grace period).
+KV-event ports (`--kv-events-port P`, `--kv-events-replay-port R`) follow the same layout: each
+engine gets P (R) plus its offset from the base port; 0 stays 0 (each engine picks one).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _READY_PREFIX = "narwhal-sim listening on "
 _DECODE_OFFSET = 100
 # Options the fleet gives each engine itself; forwarding them too would make engines collide.
 FLEET_SETS = frozenset({"--port", "--role", "--kv-role", "--engine-id"})
+# Options whose port each engine takes at its own offset from the base port.
+_OFFSET_PORTS = frozenset({"--kv-events-port", "--kv-events-replay-port"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,28 @@ def fleet_specs(prefill: int, decode: int, base_port: int) -> list[EngineSpec]:
         for i in range(decode)
     ]
     return prefills + decodes
+
+
+def engine_args(offset: int, extra: Sequence[str]) -> list[str]:
+    """The forwarded options for the engine at `offset` from the base port: its KV-event ports
+    moved by the same offset (0, any free port, stays 0)."""
+    out: list[str] = []
+    pending: str | None = None
+    for arg in extra:
+        name, eq, value = arg.partition("=")
+        if pending is not None:
+            out.append(_moved(arg, offset))
+            pending = None
+        elif name in _OFFSET_PORTS and eq:
+            out.append(f"{name}={_moved(value, offset)}")
+        else:
+            pending = arg if arg in _OFFSET_PORTS else None
+            out.append(arg)
+    return out
+
+
+def _moved(port: str, offset: int) -> str:
+    return port if not port.isdigit() or int(port) == 0 else str(int(port) + offset)
 
 
 async def _spawn(spec: EngineSpec, host: str, extra: Sequence[str]) -> asyncio.subprocess.Process:
@@ -131,7 +157,7 @@ async def run_fleet(
     procs: list[asyncio.subprocess.Process] = []
     try:
         for spec in specs:
-            procs.append(await _spawn(spec, host, extra))
+            procs.append(await _spawn(spec, host, engine_args(spec.port - base_port, extra)))
         urls = await asyncio.gather(*(_ready_url(s, p) for s, p in zip(specs, procs, strict=True)))
     except (RuntimeError, OSError) as exc:
         print(f"narwhal-sim fleet: an engine did not start: {exc}", file=sys.stderr, flush=True)

@@ -17,9 +17,9 @@ _ROOT = b"narwhal-sim-kv"
 Block = tuple[int, ...]
 
 
-def blocks_of(token_ids: Sequence[int]) -> list[Block]:
+def blocks_of(token_ids: Sequence[int], size: int = BLOCK_SIZE) -> list[Block]:
     """The KV blocks of a context; the last one may be partial."""
-    return [tuple(token_ids[i : i + BLOCK_SIZE]) for i in range(0, len(token_ids), BLOCK_SIZE)]
+    return [tuple(token_ids[i : i + size]) for i in range(0, len(token_ids), size)]
 
 
 def digest(token_ids: Sequence[int]) -> bytes:

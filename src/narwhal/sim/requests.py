@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from narwhal.sim.tokens import render_chat, tokenize
+from narwhal.sim.tokens import WORDS, Tokenizer
 
 
 class RequestError(Exception):
@@ -50,6 +50,7 @@ class _Generation(_Body):
     n: int = 1
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM: the prompt's and each chunk's token ids
+    cache_salt: str | None = None  # vLLM: keys the prompt's first KV block, so no other shares it
 
     @property
     def token_limit(self) -> int:
@@ -69,12 +70,12 @@ class _Generation(_Body):
 class CompletionBody(_Generation):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
-    def prompt_ids(self) -> list[int]:
+    def prompt_ids(self, tokenizer: Tokenizer = WORDS) -> list[int]:
         p = self.prompt
         if isinstance(p, str):
-            return tokenize(p)
+            return tokenizer.encode(p)
         if len(p) == 1 and isinstance(p[0], str | list):
-            return tokenize(p[0]) if isinstance(p[0], str) else list(p[0])
+            return tokenizer.encode(p[0]) if isinstance(p[0], str) else list(p[0])
         if all(isinstance(t, int) for t in p):
             return [t for t in p if isinstance(t, int)]
         raise RequestError(400, "batched prompts are not supported by narwhal-sim", "prompt")
@@ -91,13 +92,13 @@ class ChatBody(_Generation):
     def token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
-    def prompt_ids(self) -> list[int]:
+    def prompt_ids(self, tokenizer: Tokenizer = WORDS) -> list[int]:
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 400, "continue_final_message and add_generation_prompt are exclusive"
             )
         messages = [m.model_dump() for m in self.messages]
-        return tokenize(render_chat(messages, self.add_generation_prompt))
+        return tokenizer.encode_chat(messages, self.add_generation_prompt)
 
 
 class TokenizeBody(_Body):
@@ -106,12 +107,12 @@ class TokenizeBody(_Body):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 
-    def prompt_ids(self) -> list[int]:
+    def prompt_ids(self, tokenizer: Tokenizer = WORDS) -> list[int]:
         if self.messages is not None:
             messages = [m.model_dump() for m in self.messages]
-            return tokenize(render_chat(messages, self.add_generation_prompt))
+            return tokenizer.encode_chat(messages, self.add_generation_prompt)
         if self.prompt is not None:
-            return tokenize(self.prompt)
+            return tokenizer.encode(self.prompt)
         raise RequestError(400, "either 'prompt' or 'messages' is required", "prompt")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from collections.abc import Callable, Sequence
 
@@ -18,12 +19,15 @@ from narwhal.sim.app import SimApp
 from narwhal.sim.config import SimConfig
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.faults import IMMEDIATE, Fault, FaultBook, FaultKind, FaultSpec
+from narwhal.sim.kv_publisher import KvEventPublisher, PublisherConfig
 from narwhal.sim.kv_store import KvStore
 from narwhal.sim.latency import Sleeper, pause
 from narwhal.sim.listener import HttpListener
-from narwhal.sim.metrics import SimMetrics
+from narwhal.sim.metrics import CacheInfo, SimMetrics
+from narwhal.sim.prefix_cache import PrefixCache
 from narwhal.sim.request_log import RequestLog
 from narwhal.sim.side_channel import SideChannelServer
+from narwhal.sim.tokens import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +54,19 @@ class SimServer:
     async def run(self, started: Callable[[str], None], stop: asyncio.Event) -> None:
         """Serve until `stop` is set; `started(url)` is called once connections are accepted."""
         c = self.config
-        metrics = SimMetrics(c.model)
+        cache = None
+        if c.kv_blocks:
+            # Seeded per process, as vLLM's block hashes: no two engines share them.
+            cache = PrefixCache(c.kv_blocks, c.block_size, os.urandom(16))
+        metrics = SimMetrics(c.model, CacheInfo(c.block_size, c.kv_blocks) if cache else None)
         faults = FaultBook(self._rng, metrics.fault_fired)
         store = KvStore(self._clock, c.kv_ttl_s)
+        publisher = self._publisher(faults)
         side = SideChannelServer(store, c.engine_id, metrics.kv_blocks_served.inc)
         side_port = await side.start(c.host)
         try:
+            if publisher is not None:
+                publisher.open()
             engine = SimEngine(
                 c,
                 clock=self._clock,
@@ -65,27 +76,51 @@ class SimServer:
                 faults=faults,
                 metrics=metrics,
                 side_channel_port=side_port,
+                cache=cache,
+                publish=publisher.publish if publisher is not None else lambda events: None,
+                tokenizer=load_tokenizer(c.tokenizer),
             )
             metrics.watch(
                 running=lambda: engine.running,
+                waiting=lambda: engine.waiting,
                 start_time=lambda: engine.start_time,
                 handoffs_held=store.held,
+                kv_cache_usage=engine.kv_cache_usage,
             )
-            await self._serve_http(engine, faults, metrics, started, stop)
+            await self._serve_http(engine, faults, metrics, publisher, started, stop)
         finally:
+            if publisher is not None:
+                publisher.close()
             await side.close()
+
+    def _publisher(self, faults: FaultBook) -> KvEventPublisher | None:
+        c = self.config
+        if c.kv_events_port is None:
+            return None
+        config = PublisherConfig(
+            host=c.host,
+            port=c.kv_events_port,
+            replay_port=c.kv_events_replay_port,
+            topic=c.kv_events_topic,
+            encoding=c.kv_events_encoding,
+            hash_format=c.kv_events_block_hash,
+            drop_fraction=c.kv_events_drop_fraction,
+        )
+        return KvEventPublisher(config, clock=self._clock, rng=self._rng, faults=faults)
 
     async def _serve_http(
         self,
         engine: SimEngine,
         faults: FaultBook,
         metrics: SimMetrics,
+        publisher: KvEventPublisher | None,
         started: Callable[[str], None],
         stop: asyncio.Event,
     ) -> None:
         c = self.config
         reopen: asyncio.Task[None] | None = None
         async with asyncio.TaskGroup() as tg:
+            replay = tg.create_task(publisher.serve_replay()) if publisher is not None else None
 
             def apply_fault(spec: FaultSpec) -> Fault:
                 nonlocal reopen
@@ -96,6 +131,11 @@ class SimServer:
                 if spec.kind is FaultKind.RESTART:
                     log.info("restart fault: KV dropped, new generation")
                     engine.restart()
+                    if publisher is not None:
+                        publisher.restart_sequence()
+                elif spec.kind is FaultKind.KV_EVENTS_RESTART:
+                    if publisher is not None:
+                        publisher.restart_sequence()
                 else:
                     if reopen is not None:
                         reopen.cancel()
@@ -110,6 +150,7 @@ class SimServer:
                 clock=self._clock,
                 sleeper=self._sleeper,
                 apply_fault=apply_fault,
+                publisher=publisher,
             ).build()
             runner = web.AppRunner(
                 app,
@@ -128,6 +169,8 @@ class SimServer:
             finally:
                 if reopen is not None:
                     reopen.cancel()
+                if replay is not None:
+                    replay.cancel()
                 await runner.cleanup()
 
     async def _refuse(self, listener: HttpListener, duration_s: float | None) -> None:
