@@ -16,6 +16,11 @@ process), plus `helm lint --strict`. The helm binary's download site is not reac
 
 The discovery variant (`discovery.dns` set) renders a `discovery:` section and no `engines`;
 the loader must accept it as rendered, with every `dns` entry as the values gave it.
+
+Config changes (`configChange.mode`): with `reload` (the default) each router watches its
+file and the pod template carries the checksum of only what a reload cannot apply; a table of
+one-value changes holds the chart to Narwhal's own `reload_changes`: the pods roll exactly when
+the rendered configs differ in a key that needs a restart. With `restart` every change rolls.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import yaml
 
 from narwhal.cli.serve import check_startable
 from narwhal.config import load_config
+from narwhal.control.reload import reload_changes
 from tests.deploy.helm_render import CHART, REPO, render
 
 if platform.machine() != "x86_64":  # helm-python-sdk publishes x86_64 wheels only
@@ -53,10 +59,11 @@ ENGINES = [
     {"id": "p0", "url": "http://vllm-prefill-0.vllm-prefill.inference:8000", "role": "prefill"},
     {"id": "d0", "url": "http://vllm-decode-0.vllm-decode.inference:8000", "role": "decode"},
 ]
+# The two documented forms for a Service with an HTTP and a NIXL port: the named port's SRV
+# name, and the plain name with the HTTP port (docs/membership.md#discovery).
 DNS = [
     {
-        "name": "vllm-prefill.inference.svc.cluster.local",
-        "port": 8000,
+        "name": "_http._tcp.vllm-prefill.inference.svc.cluster.local",
         "role": "prefill",
         "kv_role": "kv_producer",
     },
@@ -103,6 +110,8 @@ GOOD: dict[str, dict[str, Any]] = {
         "preStopSleepSeconds": 0,
         "resume": False,
     },
+    # Every config change rolls the pods; no file watch.
+    "single-restart": {**BASE, "engines": ENGINES, "configChange": {"mode": "restart"}},
     # The documented examples, as they are.
     "example-single": yaml.safe_load((EXAMPLES / "values-single.yaml").read_text()),
     "example-pair": yaml.safe_load((EXAMPLES / "values-pair.yaml").read_text()),
@@ -120,6 +129,18 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
         {**BASE, "engines": ENGINES, "config": {"listen": "127.0.0.1:1"}},
         "config.listen is set by the chart",
     ),
+    "owned-watch-interval": (
+        {**BASE, "engines": ENGINES, "config": {"controller": {"config_watch_interval_s": 1}}},
+        "config.controller.config_watch_interval_s is set by the chart",
+    ),
+    "config-change-mode": (
+        {**BASE, "engines": ENGINES, "configChange": {"mode": "rollout"}},
+        'configChange.mode must be reload or restart, got "rollout"',
+    ),
+    "config-change-interval": (
+        {**BASE, "engines": ENGINES, "configChange": {"mode": "reload", "watchIntervalSeconds": 0}},
+        "configChange.watchIntervalSeconds must be a number of seconds > 0",
+    ),
     "owned-active-url": (
         {
             **BASE,
@@ -131,9 +152,43 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+# One value changed from VARIANT_BASE at a time (Helm merges each into the chart's defaults),
+# with `configChange.mode` reload: hot keys, keys that size what was built at start, keys the
+# chart derives (listen from containerPort), the watch interval itself.
+VARIANT_BASE: dict[str, Any] = {**BASE, "engines": ENGINES}
+MOVED_D0 = {**ENGINES[1], "url": "http://vllm-decode-1.vllm-decode.inference:8000"}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "model": {"model": "other-model"},
+    "engines": {"engines": [ENGINES[0], MOVED_D0]},
+    "discovery": {"engines": [], "discovery": {"dns": DNS}},
+    "serving.request_timeout_s": {"config": {"serving": {"request_timeout_s": 90}}},
+    "serving.policy": {"config": {"serving": {"policy": "bounded"}}},
+    "serving.workers": {"config": {"serving": {"workers": 3}}},
+    "serving.max_connections": {"config": {"serving": {"max_connections": 100}}},
+    "engine.health_timeout_s": {"config": {"engine": {"health_timeout_s": 2.5}}},
+    "engine.control_connections": {"config": {"engine": {"control_connections": 4}}},
+    "recovery.eject_after": {"config": {"recovery": {"eject_after": 5}}},
+    "logging.access": {"config": {"logging": {"access": True}}},
+    "controller.monitor_interval_s": {"config": {"controller": {"monitor_interval_s": 2}}},
+    "lease.ttl_s": {"config": {"lease": {"ttl_s": 20}}},
+    "handoff.path": {"config": {"handoff": {"path": "state/other.json"}}},
+    "watch-interval": {"configChange": {"watchIntervalSeconds": 2}},
+    "containerPort": {"containerPort": 9090},
+}
+
+
+def _variants() -> dict[str, dict[str, Any]]:
+    cases = {"variant-base": VARIANT_BASE}
+    cases.update({f"variant-{name}": {**VARIANT_BASE, **v} for name, v in VARIANTS.items()})
+    restart = {**VARIANT_BASE, "configChange": {"mode": "restart"}}
+    cases["restart-base"] = restart
+    cases["restart-hot"] = {**restart, **VARIANTS["serving.request_timeout_s"]}
+    return cases
+
+
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, Any]:
-    cases = {**GOOD, **{name: values for name, (values, _) in BAD.items()}}
+    cases = {**GOOD, **{name: values for name, (values, _) in BAD.items()}, **_variants()}
     return render(cases, release=RELEASE, namespace=NAMESPACE)
 
 
@@ -197,6 +252,26 @@ def test_the_example_manifests_validate_against_the_kubernetes_schemas(manifest:
     for doc in docs:
         for version in KUBE_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_examples_discover_each_engine_by_its_http_port() -> None:
+    """vllm-pd.yaml's Services expose `http` and `nixl`; values-pair.yaml must pick the HTTP
+    port of each (the named port's SRV name, or `port`), or a pod would be found twice."""
+    services = {
+        (d["metadata"]["name"], d["metadata"]["namespace"]): {
+            p["name"]: p for p in d["spec"]["ports"]
+        }
+        for d in yaml.safe_load_all((EXAMPLES / "vllm-pd.yaml").read_text())
+        if d and d["kind"] == "Service"
+    }
+    assert services and all({"http", "nixl"} <= set(ports) for ports in services.values())
+    dns = GOOD["example-pair"]["discovery"]["dns"]
+    assert {e["role"] for e in dns} == {"prefill", "decode"}
+    for entry in dns:
+        named = entry["name"].startswith("_http._tcp.")
+        service, namespace = entry["name"].removeprefix("_http._tcp.").split(".")[:2]
+        ports = services[(service, namespace)]
+        assert named or entry.get("port") == ports["http"]["port"], entry
 
 
 def test_the_prometheus_operator_objects_are_well_formed(rendered: dict[str, Any]) -> None:
@@ -286,7 +361,20 @@ def test_the_router_configs_agree_with_the_statefulset(rendered: dict[str, Any],
     mounts = {m["mountPath"]: m for m in narwhal["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/etc/narwhal"]["name"]]["configMap"]["name"] == f"{FULLNAME}-config"
+    # A directory mount: kubelet updates it in place (a subPath mount is never updated).
+    assert "subPath" not in mounts["/etc/narwhal"]
     assert ("--resume" in args) == values.get("resume", True)
+
+    # Config changes: reloaded in place by a file watch, or a roll on every change.
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/admin-token" in annotations  # a new token always rolls: it is an env var
+    watches = {c.get("controller", {}).get("config_watch_interval_s") for c in configs.values()}
+    if values.get("configChange", {}).get("mode", "reload") == "reload":
+        assert watches == {values.get("configChange", {}).get("watchIntervalSeconds", 5)}
+        assert "checksum/restart-config" in annotations and "checksum/config" not in annotations
+    else:
+        assert watches == {None}
+        assert "checksum/config" in annotations and "checksum/restart-config" not in annotations
 
     # The admin token: the variable the config names, from the Secret.
     token_env = {c["admin"]["token_env"] for c in configs.values()}
@@ -353,6 +441,37 @@ def test_the_rendered_config_shapes(rendered: dict[str, Any]) -> None:
     sts = one(objects(rendered, "pair-discovery"), "StatefulSet")
     # shutdown_grace_s 12.5 -> 13, + preStop 5, + 10.
     assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 28
+
+
+def _pod_annotations(rendered: dict[str, Any], case: str) -> dict[str, str]:
+    sts = one(objects(rendered, case), "StatefulSet")
+    annotations: dict[str, str] = sts["spec"]["template"]["metadata"]["annotations"]
+    return annotations
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_with_reload_the_pods_roll_exactly_for_what_a_reload_cannot_apply(
+    rendered: dict[str, Any], variant: str, tmp_path: Path
+) -> None:
+    """Narwhal's own `reload_changes` between the rendered configs decides: a change it
+    applies in place leaves the pod template alone (the routers reload the new file), a
+    change it reports as needing a restart changes the template's checksum (a roll)."""
+    name = f"{FULLNAME}-0.yaml"
+    before = load(tmp_path, "before.yaml", router_configs(objects(rendered, "variant-base"))[name])
+    case = f"variant-{variant}"
+    after = load(tmp_path, "after.yaml", router_configs(objects(rendered, case))[name])
+    changes = reload_changes(before, after)
+    assert changes.applied or changes.restart_required, "the variant changes nothing"
+    key = "checksum/restart-config"
+    rolls = _pod_annotations(rendered, case)[key] != _pod_annotations(rendered, "variant-base")[key]
+    assert rolls == bool(changes.restart_required), changes.to_json()
+
+
+def test_with_restart_every_config_change_rolls_the_pods(rendered: dict[str, Any]) -> None:
+    base = _pod_annotations(rendered, "restart-base")
+    hot = _pod_annotations(rendered, "restart-hot")  # a key a reload would apply in place
+    assert base["checksum/config"] != hot["checksum/config"]
+    assert base["checksum/admin-token"] == hot["checksum/admin-token"]
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -83,6 +83,15 @@ Checks the values first and fails with a message naming the value at fault.
 {{- fail "give the fleet: engines (a static list) or discovery.dns (headless Services)" -}}
 {{- end -}}
 {{- $_ := set $cfg "admin" (dict "token_env" "NARWHAL_ADMIN_TOKEN") -}}
+{{- $controller := deepCopy (get $cfg "controller" | default dict) -}}
+{{- if hasKey $controller "config_watch_interval_s" -}}
+{{- fail "config.controller.config_watch_interval_s is set by the chart; use configChange.watchIntervalSeconds" -}}
+{{- end -}}
+{{- $mode := include "narwhal.configChange" $root -}}
+{{- if eq $mode "reload" -}}
+{{- $_ := set $controller "config_watch_interval_s" $v.configChange.watchIntervalSeconds -}}
+{{- $_ := set $cfg "controller" $controller -}}
+{{- end -}}
 {{- if eq (include "narwhal.leaseBackend" $root) "etcd" -}}
 {{- if not (dig "lease" "endpoints" list $cfg) -}}
 {{- fail "config.lease.endpoints is required with config.lease.backend etcd (the routers' shared etcd)" -}}
@@ -96,4 +105,34 @@ Checks the values first and fails with a message naming the value at fault.
 {{- $_ := set $cfg "standby" $standby -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+
+{{/* configChange.mode, checked: reload (in place, the default) or restart. */}}
+{{- define "narwhal.configChange" -}}
+{{- $change := .Values.configChange | default dict -}}
+{{- $mode := get $change "mode" | default "reload" -}}
+{{- if not (has $mode (list "reload" "restart")) -}}
+{{- fail (printf "configChange.mode must be reload or restart, got %q" $mode) -}}
+{{- end -}}
+{{- if and (eq $mode "reload") (le (float64 (get $change "watchIntervalSeconds" | default 0)) 0.0) -}}
+{{- fail "configChange.watchIntervalSeconds must be a number of seconds > 0 with configChange.mode reload" -}}
+{{- end -}}
+{{- $mode -}}
+{{- end -}}
+
+{{/*
+What a reload cannot apply (docs/membership.md#config-reload; src/narwhal/control/reload.py):
+a router's narwhal YAML without the keys a reload applies in place (model, engines, logging,
+auth, TLS files, recovery, and serving and engine but for the keys that size what was built at
+start). With configChange.mode reload the pod template carries its checksum, so a change of
+one of these rolls the pods and every other change is reloaded in place.
+*/}}
+{{- define "narwhal.restartConfig" -}}
+{{- $cfg := fromYaml (include "narwhal.routerConfig" (dict "root" . "ordinal" 0)) -}}
+{{- $cold := omit $cfg "model" "engines" "logging" "auth" "tls" "recovery" "serving" "engine" -}}
+{{- $_ := set $cold "serving" (pick (get $cfg "serving" | default dict) "workers" "max_connections" "queue_limit" "max_body_bytes" "token_count_cache_size") -}}
+{{- $_ := set $cold "engine" (pick (get $cfg "engine" | default dict) "control_connections" "ca_file") -}}
+{{- $_ := set $cold "tls_enabled" (not (empty (dig "tls" "cert_file" "" $cfg))) -}}
+{{- toYaml $cold -}}
 {{- end -}}
