@@ -3,7 +3,9 @@
 Pure Python (no promtool): every `narwhal_*` name in a PromQL expression must be a row of
 docs/metrics.md (histograms may add `_bucket`, `_sum`, `_count`), and every label an
 expression matches on or groups by must be one of that metric's documented labels (or a
-label Prometheus adds: `instance`, `job`, `le`). The issue's four alerts must exist.
+label Prometheus adds: `instance`, `job`, `le`). The issue's four alerts must exist, with the
+ecosystem's severities, one firing when no router reports at all, and docs/metrics.md's alert
+table lists exactly these rules.
 """
 
 from __future__ import annotations
@@ -129,5 +131,25 @@ def test_the_alert_rules_cover_the_issue_and_are_complete() -> None:
         "NarwhalEjectionStorm",
     } <= names
     for rule in rules:
-        assert rule["labels"]["severity"] in {"page", "warn"}, rule
+        assert rule["labels"]["severity"] in {"critical", "warning"}, rule
         assert rule["annotations"]["summary"], rule
+
+
+def test_an_alert_fires_when_no_router_reports_at_all() -> None:
+    """The other rules need routers' series to fire: with every router gone (or unscraped)
+    only an `absent` rule on a metric every router exports from the start can."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "NarwhalNoRouterReporting"]
+    assert re.fullmatch(r"absent(_over_time)?\(narwhal_ready(\[\w+\])?\)", rule["expr"].strip())
+    assert rule["labels"]["severity"] == "critical"
+    assert documented()["narwhal_ready"]["labels"] == frozenset(), "one series per router"
+
+
+def documented_alerts() -> dict[str, str]:
+    """docs/metrics.md's alert table: alert -> severity."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    return dict(re.findall(r"^\| `(Narwhal\w+)` \| (\w+) \|", text, re.M))
+
+
+def test_the_docs_alert_table_is_the_rules() -> None:
+    rules = {r["alert"]: r["labels"]["severity"] for r in alert_rules()}
+    assert documented_alerts() == rules
