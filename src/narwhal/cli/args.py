@@ -42,7 +42,7 @@ def add_version(parser: argparse.ArgumentParser) -> None:
 
 
 def _log_level(text: str) -> str:
-    level = text.upper()
+    level = {"WARN": "WARNING"}.get(text.upper(), text.upper())  # Python's alias, kept
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a log level ({', '.join(LOG_LEVELS)}; any case)"
