@@ -3,9 +3,9 @@
 The keys of the doc's tables are the config model's keys, walked from the pydantic models in
 `narwhal.config` (a section's keys as `section.key`, a list of entries' as `engines[].key`),
 and each stated default is the model's: a literal (`256`, `not set`, `{}`) must equal the
-field's default; `required` is a field without one; `see below` is a section; any other
-words describe a default derived at validation (the field's default is then None). The
-example must load, name no key the model lacks (commented-out ones included), and every plain
+field's default; `required` is a field without one (or `engines`, whose default the fleet
+rules refuse); `see below` is a section; any other words describe a default derived at
+validation (the field's default is then None). The example must load, name no key the model lacks (commented-out ones included), and every plain
 `Default: X.` it states must be the model's.
 """
 
@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from narwhal.config import Config, load_config
+from narwhal.config import Config, ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -108,11 +108,31 @@ def doc_rows() -> dict[str, str]:
 LITERAL = re.compile(r"`([^`]*)`")
 
 
+MINIMAL = {
+    "model": "m",
+    "engines": [
+        {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill"},
+        {"id": "d0", "url": "http://127.0.0.1:9101", "role": "decode"},
+    ],
+}
+
+
+def _refused_without(key: str) -> bool:
+    """Whether the minimal config without top-level `key` is refused naming that key."""
+    if key not in MINIMAL:
+        return False
+    try:
+        parse_config({k: v for k, v in MINIMAL.items() if k != key})
+    except ConfigError as exc:
+        return any(p.startswith(f"{key}: ") for p in exc.problems)
+    return False
+
+
 def default_problem(key: str, cell: str, model: Any) -> str | None:
     """Why the doc's Default cell for `key` is not the model's default, or None."""
     literal = LITERAL.fullmatch(cell)
-    if cell == "required":
-        ok = model is REQUIRED
+    if cell == "required":  # no default, or one the fleet rules refuse (`engines: []`)
+        ok = model is REQUIRED or _refused_without(key)
     elif cell == "not set":
         ok = model is None
     elif cell == "see below":
@@ -156,6 +176,7 @@ def test_the_docs_defaults_are_the_models() -> None:
         ("not set", None, True),
         ("not set", 3, False),
         ("required", REQUIRED, True),
+        ("required", (), False),  # a default nothing refuses
         ("`[]`", REQUIRED, False),
         ("`[]`", (), True),
         ('`["http://127.0.0.1:2379"]`', ("http://127.0.0.1:2379",), True),
