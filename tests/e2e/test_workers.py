@@ -32,6 +32,7 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.support.etcd import free_port
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.router import StartRouter, router_config
@@ -348,13 +349,14 @@ class _RouterProcess:
         (tmp / "state").mkdir(exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, env: dict[str, str] | None = None) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "narwhal.cli.serve", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=env,
             )
 
     def wait(self, timeout_s: float) -> int:
@@ -476,9 +478,15 @@ async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
     reader, writer = await asyncio.open_connection("127.0.0.1", router_process.port)
     try:
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10]
+            b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\nExpect: 100-continue\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         )
+        # The worker answers `100 Continue` as it starts the request's handler: only from
+        # then on is the request running, which a drain lets finish. Before, the connection
+        # is one whose bytes the worker has not read, and a drain closes it as idle.
+        async with asyncio.timeout(5):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body[:10])
         await writer.drain()
         router_process.signal(signal.SIGTERM)
         await eventually(lambda: _refused(router_process.port), what="draining: port closed")
@@ -496,3 +504,42 @@ async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
     finally:
         writer.close()
     assert router_process.wait(10) == 0
+
+
+# Imported first by every Python process started with its directory on PYTHONPATH (`site`).
+_SLOW_WORKER_1 = """\
+import time
+
+_argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+if b"narwhal.process.worker" in _argv and _argv[_argv.index(b"--index") + 1] == b"1":
+    time.sleep({delay_s})
+"""
+
+
+async def test_the_first_worker_to_listen_stays_ready_while_the_other_starts(
+    tmp_path: Path, sims: list[SimProcess]
+) -> None:
+    """Worker 1 starts 3 s late (as on a loaded host); worker 0, listening first, serves alone
+    meanwhile and its `/ready` stays 200: the control process's heartbeats run during start-up,
+    so worker 0's trust in it (0.5 s) never lapses into `control process lost`."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_WORKER_1.format(delay_s=3.0))
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    rp = _RouterProcess(tmp_path, _engines(sims), port=free_port(), workers=2)
+    rp.start(env={**os.environ, "PYTHONPATH": path})
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _ready(http, rp.url)
+            alone_since = time.monotonic()
+
+            async def ready_until_worker_1_listens() -> bool:
+                async with http.get(rp.url + "/ready") as r:
+                    assert (r.status, await r.text()) == (200, "ready")
+                return "worker 1 started" in rp.log()
+
+            await eventually(ready_until_worker_1_listens, timeout_s=30, what="worker 1 started")
+            alone_s = time.monotonic() - alone_since
+            assert alone_s > 1.0, f"worker 0 served alone for {alone_s:.2f} s, not 2 windows"
+    finally:
+        rp.close()

@@ -187,9 +187,14 @@ class Supervisor:
 
     async def start(self) -> None:
         """Start every worker; return once all listen (a worker that fails to start fails
-        the router's start)."""
+        the router's start). Heartbeats go on meanwhile: a worker that listens first serves
+        while a slower one starts, and must not take this process for lost."""
         self.metrics_dir.mkdir(exist_ok=True)
-        await asyncio.gather(*(self._spawn(w) for w in self.workers))
+        beats = asyncio.create_task(self._heartbeats())
+        try:
+            await asyncio.gather(*(self._spawn(w) for w in self.workers))
+        finally:
+            beats.cancel()
 
     async def run(self) -> None:
         """Heartbeats and restarts, until cancelled."""
