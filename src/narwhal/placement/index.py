@@ -33,8 +33,8 @@ OFFLOADED = 2
 
 # Measured with tracemalloc (bench/placement_bench.py, CPython 3.11, 64-bit): the dictionary
 # slots, the key ints and the per-hash entry of one block, amortised over many blocks.
-EXACT_BYTES_PER_BLOCK = 330
-EXPIRING_BYTES_PER_BLOCK = 250
+EXACT_BYTES_PER_BLOCK = 380
+EXPIRING_BYTES_PER_BLOCK = 315
 
 
 def medium_bit(medium: str | None) -> int:
@@ -267,12 +267,13 @@ class ModelIndex:
         Narwhal's placements instead of their events. Engines holding nothing are absent."""
         if not keys:
             return {}
-        any_blocks: dict[str, int] = {}
+        any_blocks: dict[str, int] = {}  # engine -> blocks matched, set when its run ends
         gpu_blocks: dict[str, int] = {}
         alive: dict[str, bool] = {}  # engine -> its prefix so far is all on the GPU
         exact_holders = self._holders
         approx_holders = self._approximate.holders
         spec_holders = self._speculative.holders
+        position = 0
         for position, key in enumerate(keys):
             exact = exact_holders.get(key)
             approx = approx_holders.get(key)
@@ -290,23 +291,41 @@ class ModelIndex:
                     for engine, expires in spec.items():
                         if expires > now:
                             alive[engine] = True
+            elif approx is None and spec is None:  # the common case: events only
+                for engine, on_gpu in list(alive.items()):
+                    mask = 0 if exact is None else exact.get(engine, 0)
+                    if not mask or engine in approximate:
+                        del alive[engine]
+                        any_blocks[engine] = position
+                        if on_gpu:
+                            gpu_blocks[engine] = position
+                    elif on_gpu and not mask & GPU:
+                        alive[engine] = False
+                        gpu_blocks[engine] = position
             else:
                 for engine, on_gpu in list(alive.items()):
                     held, gpu = _holds(engine, exact, approx, spec, approximate, now)
                     if not held:
                         del alive[engine]
+                        any_blocks[engine] = position
+                        if on_gpu:
+                            gpu_blocks[engine] = position
                     elif on_gpu and not gpu:
                         alive[engine] = False
+                        gpu_blocks[engine] = position
             if not alive:
                 break
-            for engine, on_gpu in alive.items():
-                any_blocks[engine] = position + 1
-                if on_gpu:
-                    gpu_blocks[engine] = position + 1
+        else:
+            position = len(keys)
+        for engine, on_gpu in alive.items():
+            any_blocks[engine] = position
+            if on_gpu:
+                gpu_blocks[engine] = position
         size = self.block_size_tokens
         return {
             engine: PrefixMatch(blocks * size, gpu_blocks.get(engine, 0) * size)
             for engine, blocks in any_blocks.items()
+            if blocks
         }
 
     # -- size -----------------------------------------------------------------------------

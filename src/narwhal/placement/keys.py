@@ -9,9 +9,9 @@ own hash values (those depend on the engine's seed and hash algorithm).
 
 Hash: xxh3_64 seeded with the previous key, over the block's token ids as little-endian uint32.
 Deterministic across processes and hosts (unlike `hash()`), and the cheapest well-kept choice
-measured (bench/placement_bench.py, one core): a 4096-token prompt in blocks of 16 costs about
-140 us with xxh3_64 against about 360-540 us with blake2b(digest_size=8); most of it is the
-Python loop per block, not the hashing. Placement quality is all a collision could cost.
+measured (bench/placement_bench.py, one loaded core): a 4096-token prompt in blocks of 16 costs
+about 90-130 us with xxh3_64 against 590-650 us with a keyed blake2b(digest_size=8); most of
+the xxh3 cost is the Python loop per block. Placement quality is all a collision could cost.
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""Placement micro-benchmarks on one core: key hashing, index memory per block, ingestion rate.
+
+    .venv/bin/python -m bench.placement_bench
+
+The numbers go into docs/placement.md and the constants in narwhal/placement/index.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import random
+import time
+import tracemalloc
+from collections.abc import Callable
+
+from narwhal.placement.events import BatchDecoder, EventBatch
+from narwhal.placement.index import ModelIndex
+from narwhal.placement.keys import prompt_keys
+from narwhal.sim import kv_events as sim
+
+BLOCK = 16
+
+
+def _best_us(fn: Callable[[], object], repeat: int = 5, number: int = 200) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - start) / number)
+    return best * 1e6
+
+
+def _blake2b_keys(tokens: list[int]) -> list[bytes]:
+    import array
+
+    data = array.array("I", tokens).tobytes()
+    key, keys, step = b"\0" * 8, [], BLOCK * 4
+    for off in range(0, (len(tokens) // BLOCK) * step, step):
+        key = hashlib.blake2b(data[off : off + step], digest_size=8, key=key).digest()
+        keys.append(key)
+    return keys
+
+
+def keys_cost() -> None:
+    rng = random.Random(1)
+    for n in (1024, 4096, 32768):
+        tokens = [rng.randrange(150_000) for _ in range(n)]
+        xx = _best_us(lambda t=tokens: prompt_keys(t, BLOCK))  # type: ignore[misc]
+        b2 = _best_us(lambda t=tokens: _blake2b_keys(t))  # type: ignore[misc]
+        print(f"keys for {n:>6} tokens: xxh3_64 {xx:8.1f} us   blake2b {b2:8.1f} us")
+
+
+def _stored_batches(prompts: int, blocks: int) -> list[bytes]:
+    rng = random.Random(2)
+    payloads = []
+    for p in range(prompts):
+        tokens = tuple(rng.randrange(150_000) for _ in range(blocks * BLOCK))
+        hashes = tuple((p * blocks + i).to_bytes(8, "big") for i in range(blocks))
+        event = sim.BlockStored(hashes, None, tokens, BLOCK)
+        payloads.append(sim.encode_batch(0.0, [event], encoding=sim.EventEncoding.ARRAY))
+    return payloads
+
+
+def memory_per_block() -> None:
+    payloads = _stored_batches(2000, 32)
+    decoder = BatchDecoder()
+    batches = [decoder.decode(p) for p in payloads]
+    gc.collect()
+    tracemalloc.start()
+    index = ModelIndex(BLOCK, approximate_ttl_s=600.0, speculative_ttl_s=5.0)
+    before = tracemalloc.get_traced_memory()[0]
+    for batch in batches:
+        assert isinstance(batch, EventBatch)
+        index.apply("e1", batch.events)
+    exact = tracemalloc.get_traced_memory()[0] - before
+    blocks = index.blocks()
+    keys = [prompt_keys(b.events[0].token_ids, BLOCK) for b in batches]  # type: ignore[union-attr]
+    before = tracemalloc.get_traced_memory()[0]
+    for k in keys:
+        index.note_placed("e2", k, 0.0, capacity_blocks=10**9)
+    expiring = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    print(f"exact index: {exact / blocks:.0f} bytes per block ({blocks} blocks)")
+    print(f"approximate + speculative: {expiring / (2 * blocks):.0f} bytes per entry")
+
+
+def ingestion_rate() -> None:
+    payloads = _stored_batches(3000, 32)
+    removals = [
+        sim.encode_batch(
+            0.0,
+            [sim.BlockRemoved(tuple((p * 32 + i).to_bytes(8, "big") for i in range(32)))],
+            encoding=sim.EventEncoding.ARRAY,
+        )
+        for p in range(3000)
+    ]
+    index = ModelIndex(BLOCK, approximate_ttl_s=600.0, speculative_ttl_s=5.0)
+    decoder = BatchDecoder()
+    start = time.perf_counter()
+    for payload in payloads:
+        batch = decoder.decode(payload)
+        assert isinstance(batch, EventBatch)
+        index.apply("e1", batch.events)
+    stored_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for payload in removals:
+        batch = decoder.decode(payload)
+        assert isinstance(batch, EventBatch)
+        index.apply("e1", batch.events)
+    removed_s = time.perf_counter() - start
+    blocks = 3000 * 32
+    print(f"ingestion (decode + apply): stored {blocks / stored_s:,.0f} blocks/s,")
+    print(f"  removed {blocks / removed_s:,.0f} blocks/s")
+
+
+def lookup_cost() -> None:
+    index = ModelIndex(BLOCK, approximate_ttl_s=600.0, speculative_ttl_s=5.0)
+    rng = random.Random(3)
+    shared = [rng.randrange(150_000) for _ in range(2048)]
+    decoder = BatchDecoder()
+    for engine in range(16):
+        tokens = shared[: 256 * (engine + 1) // 2] + [rng.randrange(150_000) for _ in range(2048)]
+        tokens = tokens[: len(tokens) // BLOCK * BLOCK]
+        hashes = tuple((engine * 10_000 + i).to_bytes(8, "big") for i in range(len(tokens) // 16))
+        event = sim.BlockStored(hashes, None, tuple(tokens), BLOCK)
+        payload = sim.encode_batch(0.0, [event], encoding=sim.EventEncoding.MAP)
+        batch = decoder.decode(payload)
+        assert isinstance(batch, EventBatch)
+        index.apply(f"e{engine}", batch.events)
+    prompt = prompt_keys(shared + [1] * 2048, BLOCK)
+    cost = _best_us(lambda: index.match(prompt, 0.0))
+    print(
+        f"match of a 4096-token prompt against 16 engines ({index.blocks()} blocks): {cost:.1f} us"
+    )
+
+
+if __name__ == "__main__":
+    keys_cost()
+    memory_per_block()
+    ingestion_rate()
+    lookup_cost()
