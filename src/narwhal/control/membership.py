@@ -19,6 +19,7 @@ engine the operator added, nor discovery one that the config lists. Each change 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -169,10 +170,15 @@ class Membership:
         origins: Mapping[str, str] | None = None,
     ) -> Plan:
         """Make `source`'s engines `desired` (a reload, a discovery round); checked first, so
-        a conflict changes nothing. `origins` (a standby following the handoff): `desired`
-        is the whole fleet, each engine with its origin."""
+        a conflict (an id or url listed twice, or another engine's) changes nothing.
+        `origins` (a standby following the handoff): `desired` is the whole fleet, each
+        engine with its origin."""
         origin = None if origins is not None else ORIGINS.get(source, source)
         desired = [c.with_model(self.model) for c in desired]
+        for what, values in (("id", [c.id for c in desired]), ("url", [c.url for c in desired])):
+            repeated = sorted(v for v, n in Counter(values).items() if n > 1)
+            if repeated:  # one engine twice (a pod on two ports): neither wins by order
+                raise MembershipConflict(f"engine {what} listed twice: {repeated} in one answer")
         change = plan(self.members(origin), desired)
         staying = {e.id for e in self.members(origin)} - set(change.remove)
         others = {e.id for e in self.fleet if origin is not None and e.origin != origin}
