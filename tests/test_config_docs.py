@@ -5,8 +5,9 @@ The keys of the doc's tables are the config model's keys, walked from the pydant
 and each stated default is the model's: a literal (`256`, `not set`, `{}`) must equal the
 field's default; `required` is a field without one (or `engines`, whose default the fleet
 rules refuse); `see below` is a section; any other words describe a default derived at
-validation (the field's default is then None). The example must load, name no key the model lacks (commented-out ones included), and every plain
-`Default: X.` it states must be the model's.
+validation (the field's default is then None). The example must load, name no key the model
+lacks (commented-out ones included), and every plain `Default: X.` it states must be the
+model's.
 """
 
 from __future__ import annotations
