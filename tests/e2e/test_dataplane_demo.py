@@ -11,15 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
 from tests.support.cli import narwhal
 from tests.support.etcd import free_port
-from tests.support.poll import eventually, until_ready
+from tests.support.poll import eventually
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
+BANNER_END = "Ctrl-C stops the router and the engines."
 
 
 def _children(pid: int, module: str) -> list[int]:
@@ -48,6 +50,23 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+async def _banner(log_path: Path, proc: asyncio.subprocess.Process) -> str:
+    """The demo's log once its banner's last line is in it; fail at once, with the log, if
+    the demo exited."""
+
+    async def printed() -> str:
+        text = await asyncio.to_thread(log_path.read_text)
+        if BANNER_END in text:
+            return text
+        if proc.returncode is not None:
+            raise AssertionError(text)
+        return ""
+
+    return await eventually(
+        printed, timeout_s=START_TIMEOUT_S, interval_s=0.1, what="the demo's banner"
+    )
+
+
 @pytest.mark.slow
 async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> None:
     port = free_port()
@@ -63,7 +82,12 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
     )  # fmt: skip
     engines: list[int] = []
     try:
-        await until_ready(url + "/ready", proc, log_path, timeout_s=START_TIMEOUT_S, what="demo")
+        # The banner is the demo's start signal: it is printed once every worker listens,
+        # and then the first `/ready` answers 200 (docs/monitor.md). `/ready` alone can turn
+        # 200 earlier, through the first worker to listen, before the banner is out.
+        banner = await _banner(log_path, proc)
+        async with aiohttp.ClientSession() as http, http.get(url + "/ready") as r:
+            assert (r.status, await r.text()) == (200, "ready")
         engines = _children(proc.pid, "narwhal.sim.cli")
         assert len(engines) == 5, "2 prefill + 2 decode narwhal-sim processes, and a spare"
         workers = _children(proc.pid, "narwhal.process.worker")
@@ -94,7 +118,7 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
         # The banner's membership commands, as printed, against the live demo.
         commands = [
             line.split()[1:]
-            for line in log_path.read_text().splitlines()
+            for line in banner.splitlines()
             if line.strip().startswith("narwhal engines ")
         ]
         assert [c[:2] for c in commands] == [["engines", "add"], ["engines", "remove"]]
