@@ -32,7 +32,7 @@ SPECIAL_LOOKALIKES = [
     "<|eot_id|>",
     "<|begin_of_text|>",
     "<start_of_turn>",
-    "<｜User｜>",
+    "<\uff5cUser\uff5c>",  # DeepSeek's fullwidth bars
     "<think>",
     "</think>",
     "[INST]",
