@@ -4,6 +4,7 @@ the publisher and a DEALER on its replay socket, payloads decoded as plain msgpa
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.support.poll import eventually
 from tests.support.sim_process import SimFactory, SimProcess
 
 from .helpers import complete, decode_body, prefill_body
+from .test_cli import sim_cli, start_up_failure
 
 BLOCK = 4
 PROMPT = " ".join(f"w{i}" for i in range(10))  # 10 tokens: 2 full blocks and a partial one
@@ -311,3 +313,33 @@ async def test_with_a_tokenizer_file_the_token_ids_are_the_model_s(
     assert stored["token_ids"] == expected[:8]
     assert sim.post_json("/detokenize", {"tokens": expected[1:3]})["prompt"] == "w0 w1"
     sub.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--kv-events-port", "0"], "--kv-events-port"),
+        (["--kv-blocks", "300", "--kv-events-replay-port", "0"], "--kv-events-replay-port"),
+        (["--kv-blocks", "2"], "--kv-blocks"),
+        (["--kv-events-drop-fraction", "1.5"], "--kv-events-drop-fraction"),
+        (["--kv-events-encoding", "json"], "--kv-events-encoding"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+    ],
+)
+def test_cache_and_event_options_that_cannot_work_are_usage_errors(
+    args: list[str], named: str
+) -> None:
+    result = sim_cli("serve", *args)
+    assert result.returncode == 2, result.stderr
+    (error,) = result.stderr.splitlines()
+    assert error.startswith("narwhal-sim serve: error: ") and named in error, error
+
+
+def test_a_busy_event_port_is_a_start_up_failure() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--port", "0", "--kv-blocks", "300", "--kv-events-port", str(port)]
+        lines = start_up_failure(sim_cli("serve", *args))
+    assert len(lines) == 1 and "KV events: cannot bind" in lines[0] and str(port) in lines[0]
