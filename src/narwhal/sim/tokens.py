@@ -77,7 +77,7 @@ class FileTokenizer:
     special tokens vLLM adds (`add_special_tokens`), a chat's rendered template without."""
 
     def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as HfTokenizer  # type: ignore[import-untyped]
+        from tokenizers import Tokenizer as HfTokenizer  # type: ignore[import-untyped, unused-ignore]
 
         file = path / "tokenizer.json" if path.is_dir() else path
         self._tokenizer = HfTokenizer.from_file(str(file))
