@@ -1,10 +1,19 @@
-"""The router's prompt ids for the demo model (Gemma 3 270M) equal a real llama-server's.
+"""The router renders the demo model's (Gemma 3 270M) chats as a real llama-server does.
 
 The tokenizer is the one the model's GGUF embeds, converted to tokenizer.json by transformers
 (tests/support/tokenizers.py); the chat template is Gemma's turn format, given to llama-server
 too (`--jinja --chat-template-file`). llama-server renders with its own Jinja engine and encodes
-with its own vocabulary code, so equal text and ids here are two independent implementations
-agreeing: `/apply-template` against `render_chat`, then `/tokenize` against the ids.
+with its own vocabulary code, so equal text here is two independent implementations agreeing:
+`/apply-template` against `render_chat`.
+
+llama-server drops the template's leading `<bos>` from the text it renders for a model that adds
+BOS itself, and adds it back when it tokenizes the prompt (`add_special`): so its text is ours
+without `<bos>`.
+
+Ids are not compared with the engine's yet: transformers 4.57 converts this GGUF's SentencePiece
+vocabulary to a Unigram tokenizer.json, which splits some words differently from llama.cpp
+(and from Gemma's own BPE tokenizer): "user" is "us" + "er". A faithful tokenizer.json for the
+demo model is the open item (docs/placement.md, Tokenizers).
 """
 
 from __future__ import annotations
@@ -56,9 +65,14 @@ def engine_ids(server: LlamaServer, text: str, *, add_special: bool) -> list[int
     return list(post(server, "/tokenize", body)["tokens"])
 
 
+# Unicode whitespace other than ASCII's is left out: Gemma's template `trim`s each message, and
+# llama.cpp's Jinja trims ASCII whitespace only, where Python's Jinja (transformers, vLLM,
+# Narwhal) trims all of it; a known difference of the engine's, not of the router's.
+_ASCII_SPACE = frozenset(" \t\n\r\v\f")
+_CHARS = st.characters().filter(lambda c: not c.isspace() or c in _ASCII_SPACE)
 TEXT = st.lists(
     st.one_of(
-        st.text(max_size=24),
+        st.text(_CHARS, max_size=24),
         st.sampled_from(["<start_of_turn>", "<end_of_turn>", "<bos>", "\n", "  ", "é", "🦄"]),
     ),
     max_size=5,
@@ -86,31 +100,19 @@ def test_a_plain_chat_matches_the_engine(engine: LlamaServer, gemma: ModelTokeni
         {"role": "user", "content": "Wie geht's? 🦄"},
     ]
     prompt = post(engine, "/apply-template", {"messages": messages})["prompt"]
-    assert prompt == gemma.render_chat({"messages": messages})
-    assert prompt.startswith("<bos><start_of_turn>user\n")
-    ids = engine_ids(engine, prompt, add_special=False)
-    assert list(gemma.chat_ids({"messages": messages})) == ids
-    assert ids[0] == 2  # <bos>, once: written by the template, parsed as special
+    assert gemma.render_chat({"messages": messages}) == "<bos>" + prompt
+    assert prompt.startswith("<start_of_turn>user\n")
+    ids = engine_ids(engine, prompt, add_special=True)
+    assert ids[0] == 2 and 2 not in ids[1:]  # the engine adds <bos> back, once
 
 
 @ENGINE
 @given(messages=conversations())
-def test_chat_ids_equal_the_engines(
+def test_chat_text_equals_the_engines(
     engine: LlamaServer, gemma: ModelTokenizer, messages: list[dict[str, str]]
 ) -> None:
     prompt = post(engine, "/apply-template", {"messages": messages})["prompt"]
-    assert gemma.render_chat({"messages": messages}) == prompt
-    assert list(gemma.chat_ids({"messages": messages})) == engine_ids(
-        engine, prompt, add_special=False
-    )
-
-
-@ENGINE
-@given(prompt=TEXT)
-def test_completion_ids_equal_the_engines(
-    engine: LlamaServer, gemma: ModelTokenizer, prompt: str
-) -> None:
-    assert list(gemma.completion_ids(prompt)) == engine_ids(engine, prompt, add_special=True)
+    assert gemma.render_chat({"messages": messages}) == "<bos>" + prompt
 
 
 def test_the_converted_tokenizer_matches_transformers(gemma: ModelTokenizer, bins: Any) -> None:
