@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-import tokenizers
+import tokenizers  # type: ignore[import-untyped, unused-ignore]  # typed from 0.23
 
 from narwhal.config import ConfigError, PlacementConfig
 from narwhal.placement.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, select_template
