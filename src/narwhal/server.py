@@ -40,7 +40,7 @@ from narwhal.control.reload import reload_changes
 from narwhal.control.stages import SmallStages
 from narwhal.control.suspects import SuspectProbes
 from narwhal.dataplane.auth import key_problems
-from narwhal.dataplane.proxy import DataPlane
+from narwhal.dataplane.plane import DataPlane
 from narwhal.dataplane.request_ids import numbered_ids, request_prefix
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters

@@ -435,6 +435,10 @@ async def test_maintenance_with_migrate_moves_a_stream_off_its_decode_at_once(
     prompt = f"maintenance {endpoint} stream"
     reference = await _stream(rr.url, endpoint, prompt)
     fleet.forget()
+    # Tokens 10x slower from here: the CLI (a Python process, 0.3-0.5 s to start on a loaded
+    # machine) must act while the stream still runs (19 tokens left: about 4 s).
+    for sim in fleet.decodes:
+        sim.add_fault({"kind": "slow", "factor": 10, "leg": "decode"})
     moved: list[str] = []
 
     async def maintenance(n: int) -> None:

@@ -35,7 +35,7 @@ from narwhal.dataplane.errors import error_answer, error_body
 from narwhal.dataplane.exchange import Answer
 from narwhal.dataplane.models import models_list
 from narwhal.dataplane.pool import Pool
-from narwhal.dataplane.proxy import DataPlane
+from narwhal.dataplane.plane import DataPlane
 from narwhal.dataplane.request_ids import numbered_ids
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
