@@ -212,6 +212,9 @@ class ServingConfig(_Section):
     def _workers(cls, value: Any) -> Any:
         """One message naming the key (the union's own errors would name its branches)."""
         if value == "auto" or (type(value) is int and value >= 1):
+    client_header_timeout_s: PositiveFloat = 10.0
+    client_body_timeout_s: PositiveFloat = 30.0
+    max_client_connections: PositiveInt = 10000
             return value
         raise ValueError("must be a positive integer or auto")
 

@@ -1,4 +1,6 @@
-"""The router's HTTP surface: OpenAI endpoints, /health, /ready, /metrics and /admin."""
+"""The router's admin surface on aiohttp, in the control process in every mode: `/admin/*`,
+`/metrics` and the dashboard. The client API is `process/routes.py`, on the HTTP/1.1 server,
+which forwards these paths here over a Unix socket (DESIGN §12)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ import orjson
 from aiohttp import web
 
 from narwhal.dataplane.errors import openai_error
-from narwhal.dataplane.exchange import AiohttpExchange
-from narwhal.dataplane.models import models_list
 from narwhal.http_membership import add_membership_routes
 from narwhal.state.handoff import newest
 
@@ -24,45 +24,9 @@ if TYPE_CHECKING:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def add_routes(app: web.Application, router: Router) -> None:
+def add_admin_routes(app: web.Application, router: Router) -> None:
     dataplane = router.dataplane
     token = router.config.admin.resolve_token()
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        exchange = AiohttpExchange(request)
-        return exchange.response(await dataplane.handle("completions", exchange))
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        exchange = AiohttpExchange(request)
-        return exchange.response(await dataplane.handle("chat", exchange))
-
-    async def embeddings(request: web.Request) -> web.StreamResponse:
-        exchange = AiohttpExchange(request)
-        return exchange.response(await dataplane.handle("embeddings", exchange))
-
-    def passthrough(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handle(request: web.Request) -> web.StreamResponse:
-            exchange = AiohttpExchange(request)
-            return exchange.response(await dataplane.passthrough(path, exchange))
-
-        return handle
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        refused, _ = dataplane.authenticate(request.headers.get("Authorization"))
-        if refused is not None:
-            return AiohttpExchange(request).response(refused)
-        return web.json_response(
-            models_list(router.fleet.servable_models(router.clock.monotonic()))
-        )
-
-    async def health(request: web.Request) -> web.StreamResponse:
-        return web.Response(text="ok")
-
-    async def ready(request: web.Request) -> web.StreamResponse:
-        reason = router.ready()
-        if reason is None:
-            return web.Response(text="ready")
-        return web.Response(status=503, text=reason)
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         if router.config.auth.protect_metrics:
@@ -74,7 +38,12 @@ def add_routes(app: web.Application, router: Router) -> None:
             )
             refused, _ = dataplane.authenticate(given)
             if refused is not None and not admin:
-                return AiohttpExchange(request).response(refused)
+                return web.Response(
+                    status=refused.status,
+                    body=refused.body,
+                    content_type=refused.content_type,
+                    headers=refused.headers,
+                )
         router.ready()
         router.metrics.admitting.set(1 if router.admission.admitting else 0)
         body = router.metrics.render()
@@ -240,14 +209,6 @@ def add_routes(app: web.Application, router: Router) -> None:
     app.router.add_post("/admin/engines/{engine_id}/drain", drain)
     app.router.add_post("/admin/engines/{engine_id}/maintenance", maintenance)
     app.router.add_post("/admin/engines/{engine_id}/readmit", readmit)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/tokenize", passthrough("/tokenize"))
-    app.router.add_post("/detokenize", passthrough("/detokenize"))
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/engines", admin_engines)
     app.router.add_get("/admin/monitor", admin_monitor)

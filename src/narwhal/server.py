@@ -7,6 +7,7 @@ in one task group; shutdown is cancellation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -14,7 +15,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,11 @@ from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import fleet_ready_reason
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
+from narwhal.process.forward import ControlForward
+from narwhal.process.h1_server import H1Server, Handler, LocalConnections, client_limits
+from narwhal.process.routes import ClientSurface, client_routes
 from narwhal.process.supervisor import Supervisor, sweep_stale_runtime_dirs
-from narwhal.process.table import SharedInFlight, WorkerTable
+from narwhal.process.table import CLIENT_CONNECTIONS, SharedInFlight, WorkerTable
 from narwhal.state.atomic import Filesystem, remove_stale_temps
 from narwhal.state.etcd_compaction import Compactor
 from narwhal.state.etcd_status import EtcdStatusWatch, status_interval_s
@@ -152,6 +156,8 @@ class Router:
         m.pool_in_use.labels("data").set_function(lambda: self.data_pool_usage()[0])
         m.pool_in_use.labels("control").set_function(lambda: self.client.control_in_use)
         m.queue_depth.set_function(lambda: self.data_pool_usage()[1])
+        self._connections = LocalConnections(config.serving.max_client_connections)
+        m.client_connections.set_function(self.client_connections)
         self.health = HealthStages(
             config,
             self.fleet,
@@ -486,15 +492,66 @@ class Router:
 
     # ------------------------------------------------------------------ HTTP
     def build_app(self) -> web.Application:
+        """The admin surface (`/admin/*`, `/metrics`, the dashboard) on aiohttp."""
         from narwhal.http_errors import openai_http_errors
-        from narwhal.http_routes import add_routes
+        from narwhal.http_routes import add_admin_routes
 
         app = web.Application(
             client_max_size=self.config.serving.max_body_bytes + 1024,
             middlewares=[openai_http_errors],  # outermost: the routes' own middlewares run inside
         )
-        add_routes(app, self)
+        add_admin_routes(app, self)
         return app
+
+    def client_connections(self) -> int:
+        """Client connections open, over every data plane."""
+        if self.supervisor is not None:
+            return self.supervisor.table.total(CLIENT_CONNECTIONS)
+        return self._connections.count
+
+    def build_server(self, forward: Handler) -> H1Server:
+        """The client API (`process/routes.py`) on this process's HTTP/1.1 server, as a
+        worker serves it; `forward` takes the rest to the admin surface."""
+        serving = self.config.serving
+        surface = ClientSurface(
+            self.dataplane,
+            self.ready,
+            lambda: self.fleet.servable_models(self.clock.monotonic()),
+            forward,
+        )
+        rejected = self.metrics.data.client_rejected
+        self._connections = LocalConnections(serving.max_client_connections)
+        return H1Server(
+            client_routes(surface),
+            forward,
+            limits=client_limits(serving),
+            budget=self._connections,
+            on_reject=lambda reason: rejected.labels(reason).inc(),
+        )
+
+    @contextlib.asynccontextmanager
+    async def surfaces(self, host: str, port: int, runtime: Path) -> AsyncIterator[int]:
+        """One process's serving (`serving.workers: 1`): the admin app on a Unix socket in
+        `runtime`, the client server on (host, port), forwarding to it as a worker does.
+        Yields the bound port; on exit, the listener closes and running requests finish
+        within `serving.shutdown_grace_s`."""
+        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        server: H1Server | None = None
+        forward: ControlForward | None = None
+        try:
+            socket_path = str(runtime / "control.sock")
+            await web.UnixSite(runner, socket_path).start()
+            forward = ControlForward(socket_path, self.config.admin.resolve_token())
+            server = self.build_server(forward)
+            await server.start(host, port, self._tls, reuse_port=False)
+            yield server.port
+        finally:
+            if server is not None:
+                await server.drain(self.config.serving.shutdown_grace_s)
+            if forward is not None:
+                await forward.close()
+            await runner.cleanup()
 
     async def run(
         self, host: str, port: int, on_ready: Callable[[int], None] | None = None
@@ -525,24 +582,37 @@ class Router:
             access_log=None,
             shutdown_timeout=self.config.serving.shutdown_grace_s,
         )
-        await runner.setup()
-        runtime: Path | None = None
+        runtime = await asyncio.to_thread(_runtime_dir)
         try:
-            if self.workers == 1:
-                site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=self._tls)
-                await site.start()
-                bound = runner.addresses[0][1] if runner.addresses else port
-                log.info(
-                    "serving requests in this process, request ids %s-N", self.request_prefix,
-                    extra={"request_prefix": self.request_prefix},
-                )  # fmt: skip
-            else:
-                runtime = await asyncio.to_thread(_runtime_dir)
-                bound = await self._prepare_workers(runner, runtime, host, port)
+            async with contextlib.AsyncExitStack() as stack:
+                if self.workers == 1:
+                    bound = await stack.enter_async_context(self.surfaces(host, port, runtime))
+                    log.info(
+                        "serving requests in this process, request ids %s-N", self.request_prefix,
+                        extra={"request_prefix": self.request_prefix},
+                    )  # fmt: skip
+                else:
+                    await runner.setup()
+                    stack.push_async_callback(runner.cleanup)
+                    bound = await self._prepare_workers(runner, runtime, host, port)
+                await self._serve(bound, host, on_ready)
+        finally:
+            await self.client.close()
+            await self.dataplane.close()
+            await asyncio.to_thread(shutil.rmtree, runtime, True)
+
+    async def _serve(self, bound: int, host: str, on_ready: Callable[[int], None] | None) -> None:
+        """The background work, until cancelled; then the workers stop and the lease goes
+        (the caller then closes the listener and lets running requests finish)."""
+        try:
             log.info("narwhal listening on http://%s:%s", host, bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
                 tg.create_task(watch_loop_lag(self.metrics.loop_lag))
+                # Cache-aware placement's index: followed here in every mode (a standby's is
+                # warm at takeover; with workers it explains decisions for /admin).
+                interval_s = self.config.placement.metrics_interval_s
+                tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))
                 if self.config_path is not None:
                     asyncio.get_running_loop().add_signal_handler(
                         signal.SIGHUP, lambda: tg.create_task(self._reload_on_signal())
@@ -588,11 +658,6 @@ class Router:
             if self.ownership is not None:
                 await self.ownership.keeper.release()
                 await self.ownership.keeper.store.close()
-            await runner.cleanup()
-            await self.client.close()
-            await self.dataplane.close()
-            if runtime is not None:
-                await asyncio.to_thread(shutil.rmtree, runtime, True)
 
     async def _prepare_workers(
         self, runner: web.AppRunner, runtime: Path, host: str, port: int

@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from narwhal.process.h1_server import KEEPALIVE_S, LINGER_S, H1Server, Handler, ServerRequest
+from narwhal.process.h1_state import Limits
 from tests.support.poll import eventually
 
 HOST = "127.0.0.1"
@@ -160,10 +161,11 @@ async def serving(
     fallback: Handler = not_found,
     keepalive_s: float = KEEPALIVE_S,
     linger_s: float = LINGER_S,
+    limits: Limits | None = None,
 ) -> AsyncIterator[tuple[H1Server, int]]:
     """An `H1Server` on a free loopback port, in this test's loop; drained (every connection
     aborted) at the end."""
-    server = H1Server(routes, fallback, keepalive_s=keepalive_s, linger_s=linger_s)
+    server = H1Server(routes, fallback, keepalive_s=keepalive_s, linger_s=linger_s, limits=limits)
     await server.start(HOST, 0)
     port = server.port
     try:
@@ -603,7 +605,7 @@ async def test_a_stream_to_a_client_that_does_not_read_waits_then_delivers_every
 async def test_a_handler_that_answers_without_reading_the_body_closes_the_connection(
     client_sends_the_rest: bool,
 ) -> None:
-    """A handler that answers a large POST (8 MiB declared, a first piece sent) without
+    """A handler that answers a large POST (2 MiB declared, a first piece sent) without
     reading its body (what the worker's 413 does): the answer arrives at once and says
     `Connection: close`; the server reads and drops the rest of the body, so a client still
     sending can finish and read the answer, then closes: when the body ends, or after
@@ -614,7 +616,7 @@ async def test_a_handler_that_answers_without_reading_the_body_closes_the_connec
         lengths.append(request.content_length)
         request.respond(413, b"request body too large", "text/plain")
 
-    declared = 8 * 1024 * 1024
+    declared = 2 * 1024 * 1024  # under the server's own bound (4 MiB)
     routes = {"/upload": {"POST": refuse}}
     async with serving(routes, linger_s=0.2) as (server, port):
         async with connect(port) as client:
@@ -634,8 +636,10 @@ async def test_a_handler_that_answers_without_reading_the_body_closes_the_connec
 
 async def test_an_idle_keep_alive_connection_is_closed_after_keepalive_s() -> None:
     """With `keepalive_s=0.2`: a connection idle after its answer is closed about 0.2 s
-    later (not at once), and so is a connection that never sent anything."""
-    async with serving(BASIC, keepalive_s=0.2) as (server, port):
+    later (not at once); one that never sent anything is closed after the head's time
+    (`header_timeout_s`, 0.2 s here too) with no answer."""
+    limits = Limits(header_timeout_s=0.2)
+    async with serving(BASIC, keepalive_s=0.2, limits=limits) as (server, port):
         async with connect(port) as used, connect(port) as unused:
             used.send(get("/v1/models"))
             reply = await used.reply()
@@ -648,20 +652,24 @@ async def test_an_idle_keep_alive_connection_is_closed_after_keepalive_s() -> No
     assert 0.15 <= idle_s < WAIT_S
 
 
-async def test_a_connection_that_sends_half_a_head_is_closed_after_keepalive_s() -> None:
-    """A client that starts a head and never finishes it (slowloris) is closed after
-    `keepalive_s`, with no answer: its request never reached a handler."""
+async def test_a_connection_that_sends_half_a_head_gets_408_after_header_timeout_s() -> None:
+    """A client that starts a head and never finishes it (slowloris) gets 408 and a close
+    after `header_timeout_s`: its request never reached a handler."""
     called: list[str] = []
 
     async def handler(request: ServerRequest) -> None:
         called.append(request.path)
         request.respond(200, b"ok", "text/plain")
 
-    async with serving({"/v1/models": {"GET": handler}}, keepalive_s=0.2) as (server, port):
+    limits = Limits(header_timeout_s=0.2)
+    async with serving({"/v1/models": {"GET": handler}}, limits=limits) as (server, port):
         async with connect(port) as client:
             client.send(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nX-Half: ")
+            reply = await client.reply()
             assert await client.until_closed() == b""
         await eventually(lambda: not server.connections, timeout_s=WAIT_S, what="forgotten")
+    assert_openai_error(reply, 408, "invalid_request_error")
+    assert reply.headers["connection"] == "close"
     assert called == []
 
 

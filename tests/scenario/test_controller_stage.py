@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from narwhal.clock import FakeClock
 from narwhal.config import ConfigError, Role, parse_config
@@ -32,6 +32,7 @@ from narwhal.state.resume import resume
 from tests.support.fleet import set_in_flight, verify_all
 from tests.support.poll import eventually
 from tests.support.router import router_config
+from tests.support.served import serve_http
 
 INTERVAL_S = 10.0
 HOLD_S = 60.0
@@ -318,14 +319,14 @@ async def test_the_hold_is_persisted_with_its_wall_deadline(tmp_path: Path) -> N
 
 # --------------------------------------------------------------------------- HTTP views
 @pytest.fixture
-async def http_rig(tmp_path: Path) -> AsyncIterator[tuple[Rig, TestClient[Any, Any]]]:
+async def http_rig(tmp_path: Path) -> AsyncIterator[tuple[Rig, aiohttp.ClientSession]]:
     rig = make_rig(tmp_path)
-    async with TestClient(TestServer(rig.router.build_app(), host="127.0.0.1")) as http:
+    async with serve_http(rig.router) as http:
         yield rig, http
 
 
 async def test_admin_stats_and_engines_show_drift_and_risk(
-    http_rig: tuple[Rig, TestClient[Any, Any]],
+    http_rig: tuple[Rig, aiohttp.ClientSession],
 ) -> None:
     rig, http = http_rig
     rig.interval(SLOW_P2)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from narwhal.clock import FakeClock
 from narwhal.config import Config, Role, parse_config
@@ -32,6 +32,7 @@ from narwhal.server import Router
 from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.metrics import Metrics
 from tests.support.fleet import verify_all
+from tests.support.served import serve_http
 
 HARD_HOLDS = (
     HoldName.OPERATOR_DRAIN,
@@ -290,7 +291,7 @@ def test_a_confirmed_failure_on_a_drift_held_last_engine_removes_it() -> None:
 
 
 @asynccontextmanager
-async def http_without(tmp_path: Path, *ejected: str) -> AsyncIterator[TestClient[Any, Any]]:
+async def http_without(tmp_path: Path, *ejected: str) -> AsyncIterator[aiohttp.ClientSession]:
     """A router on a loopback socket whose engines `ejected` were taken out."""
     cfg = parse_config(
         {
@@ -311,7 +312,7 @@ async def http_without(tmp_path: Path, *ejected: str) -> AsyncIterator[TestClien
         )
     await router.client.start()
     try:
-        async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
+        async with serve_http(router) as http:
             yield http
     finally:
         await router.client.close()
@@ -462,7 +463,7 @@ async def test_the_admin_ejection_record_names_the_class(tmp_path: Path, cause: 
         router.fleet.apply(LegFailed("d0", FailureClass.STREAM, "bad", "decode"), clock.monotonic())
     assert router.fleet.get("d0").evidence == {FailureClass.STREAM: 2}
     router.lifecycle.eject(router.fleet.get("d0"), cause, "the reason", clock.monotonic())
-    async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
+    async with serve_http(router) as http:
         resp = await http.get("/admin/engines")
         engines = {e["id"]: e for e in (await resp.json())["engines"]}
     assert engines["p0"]["ejected"] is False and engines["p0"]["ejection"] is None

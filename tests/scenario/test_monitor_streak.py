@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from narwhal.clock import FakeClock
 from narwhal.config import parse_config
@@ -27,6 +27,7 @@ from narwhal.fleet.admission import Admission
 from narwhal.server import Router
 from narwhal.telemetry.metrics import Metrics
 from tests.support.fleet import verify_all
+from tests.support.served import serve_http
 
 LIMIT = 3
 
@@ -315,7 +316,7 @@ class Telemetry:
 class Served:
     router: Router
     clock: FakeClock
-    http: TestClient[Any, Any]
+    http: aiohttp.ClientSession
     telemetry: Telemetry
 
     async def run_pass(self) -> Any:
@@ -347,7 +348,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     verify_all(router.fleet)  # a serving fleet, already seen healthy
     await router.client.start()
     try:
-        async with TestClient(TestServer(router.build_app(), host="127.0.0.1")) as http:
+        async with serve_http(router) as http:
             yield Served(router, clock, http, telemetry)
     finally:
         await router.client.close()

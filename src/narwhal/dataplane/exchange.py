@@ -4,7 +4,8 @@ the server (DESIGN §9; docs/design/raw-server.md).
 `DataPlane.handle` reads the client's body and, for a stream, writes it through an
 `Exchange`, and returns a `Result`: an `Answer` the server sends once `handle` returns (after
 the request's evidence has settled), or `Streamed` when the answer already went out as a
-stream. `AiohttpExchange` is the aiohttp server's side of it.
+stream. The HTTP/1.1 server's `ServerRequest` (process/h1_server.py) is the one `Exchange`,
+in every process mode.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from aiohttp import web
-
 from narwhal.dataplane.record import RequestRecord
+from narwhal.dataplane.requests import BadRequest
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -41,6 +41,12 @@ class Streamed:
 Result = Answer | Streamed
 
 
+class BodyRefused(BadRequest):
+    """The server will not take the rest of the body: past `serving.max_body_bytes` (413)
+    or too slow (408, `serving.client_body_timeout_s`). `read_some` raises it; the data
+    plane answers it as any bad request."""
+
+
 class Exchange(Protocol):
     """One client request and its streamed answer."""
 
@@ -58,7 +64,9 @@ class Exchange(Protocol):
         ...
 
     async def read_some(self) -> bytes:
-        """The next piece of the body; b"" at its end."""
+        """The next piece of the body; b"" at its end. The first call says the handler wants
+        the body (a waiting client gets `100 Continue` then); `BodyRefused` when the server
+        refused the body."""
         ...
 
     async def start_stream(self, headers: Mapping[str, str]) -> None:
@@ -77,54 +85,3 @@ class Exchange(Protocol):
     def cut_off(self) -> None:
         """Drop the client's connection at once (a client that stopped reading)."""
         ...
-
-
-class AiohttpExchange:
-    """An `Exchange` over an aiohttp request; `response` is what the handler returns."""
-
-    def __init__(self, request: web.Request) -> None:
-        self._request = request
-        self._stream: web.StreamResponse | None = None
-        self.settled_outcome: str | None = None
-        self.record: RequestRecord | None = None
-
-    @property
-    def content_length(self) -> int | None:
-        return self._request.content_length
-
-    def header(self, name: str) -> str | None:
-        return self._request.headers.get(name)
-
-    async def read_some(self) -> bytes:
-        return await self._request.content.readany()
-
-    async def start_stream(self, headers: Mapping[str, str]) -> None:
-        self._stream = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
-        await self._stream.prepare(self._request)
-
-    async def send(self, data: bytes) -> None:
-        assert self._stream is not None, "start_stream() first"
-        await self._stream.write(data)
-
-    async def end(self) -> None:
-        assert self._stream is not None, "start_stream() first"
-        await self._stream.write_eof()
-
-    def cut_off(self) -> None:
-        # `abort`: `close` would wait for the client to read what is still buffered, which a
-        # stalled client never does.
-        transport = self._request.transport
-        if transport is not None:
-            transport.abort()
-
-    def response(self, result: Result) -> web.StreamResponse:
-        if isinstance(result, Answer):
-            return web.Response(
-                status=result.status,
-                body=result.body,
-                content_type=result.content_type,
-                headers=result.headers,
-            )
-        # A stream, prepared (or, when the client left before its head went out, not: aiohttp
-        # then has nothing to send on the closed connection).
-        return self._stream if self._stream is not None else web.StreamResponse()

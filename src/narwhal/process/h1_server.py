@@ -7,15 +7,19 @@ fallback (the worker forwards it to the control process). Requests on one connec
 served one at a time, in order (pipelining allowed); a request's handler starts when its head
 is in, and reads its body as it arrives.
 
-What an HTTP server owes its clients, and aiohttp gave: heads over 64 KiB are refused (431),
-a malformed request gets 400, both in the OpenAI error shape on `/v1/*` and `/admin/*`, and
-the connection is closed; `Expect: 100-continue` is answered when the handler starts; an
-idle keep-alive connection (or one whose head does not complete) is closed after
-`KEEPALIVE_S`; a client that disconnects cancels its running handler (aiohttp's
-`handler_cancellation`); a stream waits for the client to take what was written
-(`pause_writing`), and a body the handler leaves unread makes the connection close after the
-answer. `drain()` stops accepting, closes idle connections, lets running handlers finish
-within a grace, then aborts the rest.
+This module is the I/O shell around `h1_state.Connection`, the connection's state machine,
+which decides every limit (docs/edge.md, "Limits"): the head's size (431) and time (408), the
+body's size whatever its framing (413, before any handler for a declared size) and the time
+between two of its reads (408), the idle keep-alive time. A refusal is answered in the OpenAI
+error shape on `/v1/*` and `/admin/*` (plain text elsewhere), counted by reason, and followed
+by a close. `Expect: 100-continue` is answered when the handler first reads the body, so only
+once the head's size and the handler's own checks (the client key) have passed. Connections
+past the router's bound (`ConnectionBudget`) are closed as soon as they are accepted.
+
+A client that disconnects cancels its running handler (aiohttp's `handler_cancellation`); a
+stream waits for the client to take what was written (`pause_writing`), and a body the
+handler leaves unread makes the connection close after the answer. `drain()` stops accepting,
+closes idle connections, lets running handlers finish within a grace, then aborts the rest.
 """
 
 from __future__ import annotations
@@ -25,34 +29,77 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from email.utils import formatdate
 from http import HTTPStatus
 from ssl import SSLContext
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
+from narwhal.config import ServingConfig
 from narwhal.dataplane.errors import error_body
-from narwhal.dataplane.exchange import SSE_HEADERS, Answer
+from narwhal.dataplane.exchange import SSE_HEADERS, Answer, BodyRefused
 from narwhal.dataplane.record import RequestRecord
+from narwhal.process import h1_state
+from narwhal.process.h1_state import After, Connection, Limits, Out, Refusal
 
 log = logging.getLogger("narwhal.worker.http")
 
-KEEPALIVE_S = 75.0  # aiohttp's default keepalive_timeout
-# After an answer given before its request's body had all arrived (a 413, say), the rest of
+KEEPALIVE_S = h1_state.KEEPALIVE_S
+# After an answer given before its request's body had all arrived (a 401, say), the rest of
 # the body is read and dropped for up to this long before the connection closes, so the
 # client can finish sending and read the answer (aiohttp's lingering_time).
-LINGER_S = 10.0
+LINGER_S = h1_state.LINGER_S
 # Connections the kernel queues before this worker accepts them (capped by somaxconn): with
 # asyncio's default of 100, a burst of 256 new clients overflowed it and the dropped SYNs were
 # retried a second later (measured: p99 1.1 s in the router-bound bench at c=256).
 BACKLOG = 1024
-MAX_HEAD_BYTES = 64 * 1024
+MAX_HEAD_BYTES = h1_state.MAX_HEAD_BYTES
 _BODY_HIGH_WATER = 256 * 1024  # request body bytes buffered before reading pauses
 _MAX_QUEUED = 16  # pipelined requests waiting before reading pauses
 _JSON_PREFIXES = ("/v1/", "/admin/")
 
 Handler = Callable[["ServerRequest"], Awaitable[None]]
+
+
+class ConnectionBudget(Protocol):
+    """The router's bound on client connections (`serving.max_client_connections`): one
+    process's count, or its workers' sum in the shared table."""
+
+    def take(self) -> bool: ...
+
+    def give_back(self) -> None: ...
+
+
+class LocalConnections:
+    """The bound within one process."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def take(self) -> bool:
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def give_back(self) -> None:
+        self.count -= 1
+
+
+def _ignore(reason: str) -> None:
+    pass
+
+
+def client_limits(serving: ServingConfig) -> Limits:
+    """The server's limits from the `serving` section (DESIGN §12)."""
+    return Limits(
+        max_body_bytes=serving.max_body_bytes,
+        header_timeout_s=serving.client_header_timeout_s,
+        body_timeout_s=serving.client_body_timeout_s,
+    )
 
 
 def _reason(status: int) -> bytes:
@@ -93,10 +140,11 @@ class ServerRequest:
         self._pieces: deque[bytes] = deque()
         self._buffered = 0
         self.body_complete = False
+        self.refusal: Refusal | None = None  # the server will not take this body
         self._waiter: asyncio.Future[None] | None = None
+        self._asked = False  # the handler asked for the body
         self.answered = False  # a head went out
         self.finished = False  # the whole answer went out
-        self.discarding = False
         self._chunked = False
 
     def header(self, name: str) -> str | None:
@@ -108,8 +156,6 @@ class ServerRequest:
 
     # ------------------------------------------------------------------ body
     def _feed(self, body: bytes) -> None:
-        if self.discarding:
-            return
         self._pieces.append(body)
         self._buffered += len(body)
         if self._buffered > _BODY_HIGH_WATER:
@@ -118,22 +164,28 @@ class ServerRequest:
 
     def _complete(self) -> None:
         self.body_complete = True
-        if self.discarding:
-            self._connection.close()  # the answer said `Connection: close`
         self._wake()
 
-    def discard_rest(self) -> None:
-        """Drop what is left of the body as it arrives (the answer is out)."""
-        self.discarding = True
+    def _refuse(self, refusal: Refusal) -> None:
+        """The body will not be taken: what was buffered goes, the next read raises."""
+        self.refusal = refusal
         self._pieces.clear()
         self._buffered = 0
+        self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def read_some(self) -> bytes:
+        """The next piece of the body; b"" at its end. Raises `BodyRefused` (413, 408) when
+        the server refused it, and `ConnectionResetError` when the client left."""
+        if not self._asked:
+            self._asked = True
+            self._connection.want_body(self)
         while not self._pieces:
+            if self.refusal is not None:
+                raise BodyRefused(self.refusal.status, self.refusal.message)
             if self.body_complete:
                 return b""
             if self._connection.lost:
@@ -188,8 +240,16 @@ class ServerRequest:
 
     def _keep(self) -> bool:
         """Whether the connection stays open after this answer (said in the head): not while
-        draining, nor after a body that has not all arrived (no clean boundary)."""
-        return self.keep_alive and self.body_complete and not self._connection.server.draining
+        draining, nor after a body that has not all arrived (no clean boundary), nor after
+        a refusal."""
+        connection = self._connection
+        return (
+            self.keep_alive
+            and self.body_complete
+            and self.refusal is None
+            and not connection.server.draining
+            and not connection.state.closing
+        )
 
     async def start_stream(
         self, headers: Mapping[str, str], content_type: str = SSE_HEADERS["Content-Type"]
@@ -198,6 +258,7 @@ class ServerRequest:
         assert not self.answered, "answered twice"
         self.answered = True
         self._chunked = True
+        self._connection.state.stream()
         extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
         head = self._head(200, content_type.encode(), b"Cache-Control: no-cache\r\n" + extra)
         await self._connection.send(head + b"Transfer-Encoding: chunked\r\n\r\n")
@@ -218,40 +279,51 @@ class ServerRequest:
 
 
 class ServerConnection(asyncio.Protocol):
-    """One client connection."""
+    """One client connection: the parser's callbacks and the transport, around `state`."""
 
     def __init__(self, server: H1Server) -> None:
         self.server = server
         self.loop = server.loop
         self.date = server.date
         self._parser = httptools.HttpRequestParser(self)
+        self.state = Connection(server.limits, self.loop.time())
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self._admitted = False
         self._url = b""
-        self._head_bytes = 0  # the current head's, counted as the parser hands it over
-        self._head_raw = 0  # bytes received while a head is incomplete
-        self._reading_head = True
         self._parsing: ServerRequest | None = None
         self._queue: deque[ServerRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self._paused_by: set[str] = set()
-        self._idle: asyncio.TimerHandle | None = None
-        self._linger: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # ------------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.server.connections.add(self)
-        self._arm_idle()
+        server = self.server
+        if server.draining or not server.budget.take():
+            # Past the router's bound: closed before anything is read (a reset, no answer).
+            server.on_reject("connections")
+            self.state.close()
+            self.transport.abort()
+            return
+        self._admitted = True
+        server.connections.add(self)
+        self._schedule()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self.state.lost()
+        if self._admitted:
+            self._admitted = False
+            self.server.budget.give_back()
         self.server.connections.discard(self)
         self.server.settled()
-        self._disarm_idle()
-        if self._linger is not None:
-            self._linger.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for request in (self._parsing, *self._queue):
             if request is not None:
                 request._wake()
@@ -262,24 +334,34 @@ class ServerConnection(asyncio.Protocol):
             self._task.cancel()  # the client left: stop serving it
 
     def data_received(self, data: bytes) -> None:
-        if self.transport is None or self.transport.is_closing():
-            return  # refused or closing: nothing more is parsed
-        if self._reading_head:
-            self._head_raw += len(data)
+        transport, state = self.transport, self.state
+        if transport is None or transport.is_closing() or state.closed:
+            return  # refused or closing: nothing more is read
+        now = self.loop.time()
+        state.data(len(data), now)
+        if state.closing:
+            if state.closed:
+                self.close()
+            else:
+                self._schedule()
+            return  # dropped, unparsed
         try:
             self._parser.feed_data(data)
-            if self._reading_head and self._head_raw > MAX_HEAD_BYTES:
-                # httptools hands a header over only once its line ends: a head that keeps
-                # growing without one is refused here.
-                self._refuse(431, "request head too large")
+            refusal = state.parsed(now)
+            if refusal is not None:
+                self._refused(refusal)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported")
+            self._refused(
+                state.refuse(400, "malformed", "protocol upgrades are not supported", now)
+            )
         except httptools.HttpParserError as exc:
-            too_big = isinstance(exc.__context__, _HeadTooLarge)
-            if too_big:
-                self._refuse(431, "request head too large")
-            else:
-                self._refuse(400, f"malformed HTTP request: {exc}")
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                self._refused(cause.refusal)
+            elif not isinstance(cause, _Stop):
+                message = f"malformed HTTP request: {exc}"
+                self._refused(state.refuse(400, "malformed", message, now))
+        self._schedule()
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
@@ -292,7 +374,7 @@ class ServerConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         self._url = b""
-        self._head_bytes = 0
+        self.state.begin(self.loop.time())
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -308,33 +390,42 @@ class ServerConnection(asyncio.Protocol):
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
 
     def on_headers_complete(self) -> None:
-        self._reading_head = False
-        self._head_raw = 0
         request = self._parsing or self._new_request()
         self._parsing = request
         request.keep_alive = self._parser.should_keep_alive()
         length = request.headers.get("content-length")
         request.content_length = int(length) if length and length.isdigit() else None
+        expects = request.headers.get("expect", "").lower() == "100-continue"
+        refusal = self.state.head(request.content_length, expects, self.loop.time())
+        if refusal is not None:
+            raise _Refused(refusal)  # stops the parser: nothing more of it is read
         self._queue.append(request)
         if len(self._queue) > _MAX_QUEUED:
             self.pause_reading("queue")
-        self._disarm_idle()
         self._next()
 
     def on_body(self, body: bytes) -> None:
-        if self._parsing is not None:
-            self._parsing._feed(body)
+        request = self._parsing
+        refusal = self.state.body(len(body), self.loop.time())
+        if request is None:
+            return
+        if refusal is not None:
+            self._refused(refusal, request)
+            raise _Stop()
+        if not self.state.discarding:
+            request._feed(body)
 
     def on_message_complete(self) -> None:
         if self._parsing is not None:
             self._parsing._complete()
         self._parsing = None
-        self._reading_head = True
+        if not self.state.discarding:
+            self.state.end(self.loop.time())
 
     def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise _HeadTooLarge()
+        refusal = self.state.header(n, self.loop.time())
+        if refusal is not None:
+            raise _Refused(refusal)
 
     def _new_request(self) -> ServerRequest:
         parsed = httptools.parse_url(self._url)
@@ -347,10 +438,14 @@ class ServerConnection(asyncio.Protocol):
         """Start the next queued request's handler, if none is running."""
         if self._task is not None or not self._queue or self.lost:
             return
-        request = self._queue[0]
-        if request.headers.get("expect", "").lower() == "100-continue":
+        self.state.start()
+        self._task = self.loop.create_task(self._serve(self._queue[0]))
+
+    def want_body(self, request: ServerRequest) -> None:
+        """The handler reads the body: a `100 Continue` now if the client waits for one."""
+        if request is self._parsing and self.state.want_body(self.loop.time()):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        self._task = self.loop.create_task(self._serve(request))
+            self._schedule()
 
     async def _serve(self, request: ServerRequest) -> None:
         try:
@@ -359,6 +454,12 @@ class ServerConnection(asyncio.Protocol):
                 self._error(request, 500, "internal server error: no answer")
         except asyncio.CancelledError:
             return  # the client left (connection_lost), or the drain's grace ran out
+        except BodyRefused as exc:  # a handler that did not answer the refusal itself
+            if not request.answered:
+                self._error(request, exc.status, exc.message)
+            else:
+                self.abort()
+                return
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             if not request.answered:
@@ -372,21 +473,28 @@ class ServerConnection(asyncio.Protocol):
             self._queue.popleft()
             self.resume_reading("queue")
         self.resume_reading("body")  # a body left unread no longer holds the connection
-        if request.finished and not request.body_complete and not self.lost:
-            # Answered before the body was in: let the client finish sending and read the
-            # answer, then close (the head said so).
-            request.discard_rest()
-            self._linger = self.loop.call_later(self.server.linger_s, self.close)
+        if self.lost:
             return
-        if not request.finished or not request._keep():
-            self.close()  # a stream cut short, or the head said `Connection: close`
+        if not request.finished:
+            self.close()  # a stream cut short
             return
-        if self._queue:
-            self._next()
-        elif self.server.draining:
-            self.close()
+        now = self.loop.time()
+        keep = request.keep_alive and not self.server.draining
+        after = self.state.answered(request.body_complete, keep, now)
+        if after is After.KEEP:
+            if self._queue:
+                self._next()
+            elif self.server.draining:
+                self.close()
+            self._schedule()
+        elif after is After.DISCARD:
+            # Answered before the body was in (or refused): let the client finish sending
+            # and read the answer, then close (the head said so).
+            request._refuse(request.refusal or _DROPPED)
+            self._half_close()
+            self._schedule()
         else:
-            self._arm_idle()
+            self.close()
 
     def _error(self, request: ServerRequest, status: int, message: str) -> None:
         if request.path.startswith(_JSON_PREFIXES):
@@ -395,18 +503,67 @@ class ServerConnection(asyncio.Protocol):
         else:
             request.respond(status, message.encode(), "text/plain")
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that cannot be parsed, then close."""
-        request = ServerRequest(self, "GET", "/", "")
+    def _refused(self, refusal: Refusal, request: ServerRequest | None = None) -> None:
+        """A limit or a malformed request: counted; told to the running handler if it is
+        this request's (it answers), else answered here when nothing else is being
+        answered; then the connection closes."""
+        self.server.on_reject(refusal.reason)
+        served = self._queue[0] if self._queue and self._task is not None else None
+        if request is not None and request is served and not request.answered:
+            request._refuse(refusal)  # its next read raises; `_serve` closes after
+            return
+        if request is not None:
+            request._refuse(refusal)
+        if self.state.outbound is not Out.CLOSED:
+            return  # another request's answer is going out: the close follows it
+        answer = ServerRequest(self, "GET", "/", "")
         try:
             path = httptools.parse_url(self._url).path or b"/"
-            request.path = path.decode("latin-1")
+            answer.path = path.decode("latin-1")
         except httptools.HttpParserInvalidURLError:
             pass
-        request.keep_alive = False
-        if self._task is None:
-            self._error(request, status, message)
-        self.close()
+        answer.keep_alive = False
+        self._error(answer, refusal.status, refusal.message)
+        self._half_close()
+
+    def _half_close(self) -> None:
+        """Done writing: end our side now (where the transport can) and read what the
+        client still sends until the state closes."""
+        transport = self.transport
+        if transport is None or self.lost or transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:
+            self.close()  # TLS: no half-close
+
+    # ------------------------------------------------------------------ time
+    def _schedule(self) -> None:
+        """One timer per connection, moved only earlier: when it fires later than needed
+        it is set again (the body's clock moves at every read)."""
+        state = self.state
+        if state.closed:
+            self.close()
+            return
+        deadline = state.deadline()
+        if deadline is None:
+            return
+        timer = self._timer
+        if timer is not None:
+            if self._timer_at <= deadline:
+                return
+            timer.cancel()
+        self._timer_at = deadline
+        self._timer = self.loop.call_at(deadline, self._expired)
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.lost:
+            return
+        refusal = self.state.expire(self.loop.time())
+        if refusal is not None:
+            self._refused(refusal, self._parsing)
+        self._schedule()
 
     # ------------------------------------------------------------------ transport
     def write(self, data: bytes) -> None:
@@ -426,6 +583,7 @@ class ServerConnection(asyncio.Protocol):
     def pause_reading(self, why: str) -> None:
         if not self._paused_by and self.transport is not None and not self.lost:
             self.transport.pause_reading()
+            self.state.pause(True, self.loop.time())
         self._paused_by.add(why)
 
     def resume_reading(self, why: str) -> None:
@@ -433,28 +591,37 @@ class ServerConnection(asyncio.Protocol):
             self._paused_by.discard(why)
             if not self._paused_by and self.transport is not None and not self.lost:
                 self.transport.resume_reading()
+                self.state.pause(False, self.loop.time())
+                self._schedule()
 
     def close(self) -> None:
         """Close once what was written has been sent."""
+        if not self.state.closed:
+            self.state.close()
         if self.transport is not None and not self.lost:
             self.transport.close()
 
     def abort(self) -> None:
+        if not self.state.closed:
+            self.state.close()
         if self.transport is not None and not self.lost:
             self.transport.abort()
 
-    def _arm_idle(self) -> None:
-        self._disarm_idle()
-        self._idle = self.loop.call_later(self.server.keepalive_s, self.close)
 
-    def _disarm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+_DROPPED = Refusal(400, "dropped", "the rest of the body was dropped after the answer")
 
 
-class _HeadTooLarge(Exception):
-    """Raised inside a parser callback; httptools reports it as a callback error."""
+class _Refused(Exception):
+    """Raised inside a parser callback to stop it; httptools reports it as a callback error
+    with this as the context."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class _Stop(Exception):
+    """Raised inside a parser callback once the refusal was handled: stop parsing."""
 
 
 class H1Server:
@@ -466,12 +633,20 @@ class H1Server:
         fallback: Handler,
         keepalive_s: float = KEEPALIVE_S,
         linger_s: float = LINGER_S,
+        *,
+        limits: Limits | None = None,
+        budget: ConnectionBudget | None = None,
+        on_reject: Callable[[str], None] = _ignore,
     ) -> None:
+        """`limits` (the `serving.client_*` keys; its own `keepalive_s` and `linger_s` are
+        replaced by the arguments); `budget`, the router's bound on connections (none: no
+        bound); `on_reject(reason)` counts each refusal."""
         self.loop = asyncio.get_running_loop()
         self._routes = routes
         self._fallback = fallback
-        self.keepalive_s = keepalive_s
-        self.linger_s = linger_s
+        self.limits = replace(limits or Limits(), keepalive_s=keepalive_s, linger_s=linger_s)
+        self.budget: ConnectionBudget = budget or LocalConnections(2**62)
+        self.on_reject = on_reject
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self.date = _Date()
@@ -512,16 +687,22 @@ class H1Server:
             return
         await handler(request)
 
-    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> None:
-        """Listen (HTTPS with `ssl`: the handshake is asyncio's, before any request)."""
+    async def start(
+        self, host: str, port: int, ssl: SSLContext | None = None, *, reuse_port: bool = True
+    ) -> None:
+        """Listen (HTTPS with `ssl`: the handshake is asyncio's, before any request).
+        `reuse_port`: the workers share the port; one process must not share it with a
+        second router by mistake."""
         self._server = await self.loop.create_server(
             lambda: ServerConnection(self),
             host,
             port,
             reuse_address=True,
-            reuse_port=True,
+            reuse_port=reuse_port,
             backlog=BACKLOG,
             ssl=ssl,
+            # The handshake is part of the head's time (a TLS slowloris).
+            ssl_handshake_timeout=self.limits.header_timeout_s if ssl is not None else None,
         )
 
     async def drain(self, grace_s: float) -> None:

@@ -7,7 +7,8 @@ is at most one update behind, which placement and drain settling tolerate.
 Row layout: `[0]` completions and `[1]` chat requests in progress (what a crash loses),
 `[2]` data connections in use, `[3]` requests waiting for one, `[4..6]` placements made per
 role (their sum over rows is the router's rotation), `[7]` sockets open to engines (idle
-keep-alive ones included), `[8]` legs waiting for a socket, `[9 + c]` in flight on engine
+keep-alive ones included), `[8]` legs waiting for a socket, `[9]` embed placements, `[10]`
+client connections open (`serving.max_client_connections`), `[11 + c]` in flight on engine
 column `c`. There are `ENGINE_COLUMNS` engine columns, so engines can join at runtime (DESIGN
 §10): the control process assigns each member a column and tells the workers in its snapshots;
 a column is reused only once its count is back to zero.
@@ -30,7 +31,8 @@ from narwhal.fleet.inflight import Choose
 COMPLETIONS, CHAT, POOL_IN_USE, POOL_WAITING = 0, 1, 2, 3
 TURN_COLUMN = {"prefill": 4, "decode": 5, "both": 6, "embed": 9}
 SOCKETS_OPEN, SOCKETS_WANTED = 7, 8
-_FIXED = 10
+CLIENT_CONNECTIONS = 10
+_FIXED = 11
 ENGINE_COLUMNS = 1024  # the most engines one router fronts at once
 ENDPOINT_COLUMN = {"completions": COMPLETIONS, "chat": CHAT}
 
@@ -208,3 +210,10 @@ class SharedSockets(_SharedCount):
         """How many legs of other workers wait for a socket."""
         table = self._table
         return table.total(SOCKETS_WANTED) - table.get(self._row, SOCKETS_WANTED)
+
+
+class SharedConnections(_SharedCount):
+    """The router's client connections, as an `h1_server.ConnectionBudget` of worker `row`:
+    `serving.max_client_connections` bounds them all, whichever worker accepted them."""
+
+    _column = CLIENT_CONNECTIONS

@@ -3,8 +3,9 @@
 It serves the OpenAI endpoints on its own event loop from a `SO_REUSEPORT` listener on the
 router's port, placing requests over a replica of the control process's fleet. It never
 decides anything about an engine: leg outcomes go to the control process as events, and
-snapshots come back. `/ready` and `/health` are answered here (load balancers' probes never
-wait on the control process); `/metrics` and `/admin/*` are forwarded to the control
+snapshots come back. The client API (`process/routes.py`, the same table as with one process)
+is answered here, `/ready` and `/health` included (load balancers' probes never wait on the
+control process); `/metrics`, `/admin/*` and the dashboard are forwarded to the control
 process, so they read the same whichever worker accepted the connection.
 
 It dies with the control process (`PR_SET_PDEATHSIG`), and stops admitting when the control
@@ -22,20 +23,14 @@ import os
 import signal
 import socket
 import sys
-from importlib import resources
 from typing import Any
 
-import aiohttp
-import orjson
 import uvloop
 
 from narwhal.clock import SystemClock
 from narwhal.config import Config, ConfigError, EngineConfig, parse_config
-from narwhal.dataplane.errors import error_answer, error_body
-from narwhal.dataplane.exchange import Answer
-from narwhal.dataplane.models import models_list
-from narwhal.dataplane.pool import Pool
 from narwhal.dataplane.plane import DataPlane
+from narwhal.dataplane.pool import Pool
 from narwhal.dataplane.request_ids import numbered_ids
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
@@ -43,13 +38,16 @@ from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
 from narwhal.process.channel import Channel, Frame
-from narwhal.process.gate import CONTROL_LOST, GateData, WorkerGate
-from narwhal.process.h1_server import H1Server, Handler, ServerRequest
+from narwhal.process.forward import ControlForward
+from narwhal.process.gate import GateData, WorkerGate
+from narwhal.process.h1_server import H1Server, client_limits
 from narwhal.process.reporter import Reporter
+from narwhal.process.routes import ClientSurface, client_routes
 from narwhal.process.table import (
     ENDPOINT_COLUMN,
     POOL_WAITING,
     SharedBudget,
+    SharedConnections,
     SharedInFlight,
     SharedSockets,
     WorkerTable,
@@ -62,7 +60,6 @@ from narwhal.tls import engine_context, server_context
 from narwhal.tls import load as tls_load
 
 log = logging.getLogger("narwhal.worker")
-NDJSON = "application/x-ndjson"
 
 _PR_SET_PDEATHSIG = 1
 EXIT_ORPHANED = 70
@@ -125,7 +122,7 @@ class Worker:
             ),
         )
         self.control_socket: str = hello["control_socket"]
-        self._session: aiohttp.ClientSession | None = None  # to the control process
+        self.forward = ControlForward(self.control_socket, config.admin.resolve_token())
         self.drain = asyncio.Event()
         self.grace_s: float = hello["grace_s"]
 
@@ -183,117 +180,32 @@ class Worker:
 
     # ---------------------------------------------------------------- HTTP
     def build_server(self) -> H1Server:
-        """The worker's routes on `H1Server`; every other path is the control process's."""
-        dataplane, table, row = self.dataplane, self.table, self.index
-        worker = {"X-Narwhal-Worker": str(self.index)}
+        """The client API's routes (`process/routes.py`) on `H1Server`; every other path is
+        the control process's."""
+        table, row = self.table, self.index
 
-        def endpoint(name: Any) -> Handler:
-            column = ENDPOINT_COLUMN[name]
+        def in_progress(endpoint: str, delta: int) -> None:
+            column = ENDPOINT_COLUMN.get(endpoint)
+            if column is not None:
+                table.add(row, column, delta)  # what a crash of this worker would lose
 
-            async def handle(request: ServerRequest) -> None:
-                table.add(row, column, 1)  # what a crash of this worker would lose
-                try:
-                    result = await dataplane.handle(name, request)
-                finally:
-                    table.add(row, column, -1)
-                if isinstance(result, Answer):
-                    request.answer(result)
-
-            return handle
-
-        async def embeddings(request: ServerRequest) -> None:
-            result = await dataplane.handle("embeddings", request)
-            if isinstance(result, Answer):  # always: embeddings are never streamed
-                request.answer(result)
-
-        def passthrough(path: str) -> Handler:
-            async def handle(request: ServerRequest) -> None:
-                request.answer(await dataplane.passthrough(path, request))
-
-            return handle
-
-        async def health(request: ServerRequest) -> None:
-            request.respond(200, b"ok", "text/plain", worker)
-
-        async def ready(request: ServerRequest) -> None:
-            reason = self.gate.ready(self.fleet)
-            if reason is None:
-                request.respond(200, b"ready", "text/plain", worker)
-            else:
-                request.respond(503, reason.encode(), "text/plain", worker)
-
-        async def models(request: ServerRequest) -> None:
-            refused, _ = dataplane.authenticate(request.header("authorization"))
-            if refused is not None:
-                request.answer(refused)
-                return
-            served = self.fleet.servable_models(self.clock.monotonic())
-            request.respond(200, orjson.dumps(models_list(served)), "application/json")
-
-        page = resources.files("narwhal.telemetry").joinpath("dashboard.html").read_bytes()
-
-        async def dashboard(request: ServerRequest) -> None:
-            request.respond(200, page, "text/html")
-
-        routes: dict[str, dict[str, Handler]] = {
-            "/v1/completions": {"POST": endpoint("completions")},
-            "/v1/chat/completions": {"POST": endpoint("chat")},
-            "/v1/models": {"GET": models},
-            "/v1/embeddings": {"POST": embeddings},
-            "/tokenize": {"POST": passthrough("/tokenize")},
-            "/detokenize": {"POST": passthrough("/detokenize")},
-            "/health": {"GET": health},
-            "/ready": {"GET": ready},
-            "/dashboard": {"GET": dashboard},
-        }
-        return H1Server(routes, self.forward)
-
-    async def forward(self, request: ServerRequest) -> None:
-        """`/metrics`, `/admin/*` and anything unknown: answered by the control process."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.control_socket, limit=8),
-                auto_decompress=False,
-            )
-        cap = self.config.serving.max_body_bytes + 1024
-        if request.content_length is not None and request.content_length > cap:
-            request.respond(
-                413, error_body(f"request body exceeds {cap} bytes", "invalid_request_error", 413),
-                "application/json",
-            )  # fmt: skip
-            return
-        body = await request.read()
-        headers = {
-            k: v
-            for k in ("Authorization", "Content-Type", "Accept")
-            if (v := request.headers.get(k.lower())) is not None
-        }
-        try:
-            async with self._session.request(
-                request.method, "http://control" + request.path_qs, data=body, headers=headers
-            ) as answer:
-                content_type = answer.headers.get("Content-Type", "")
-                if answer.status == 200 and content_type.startswith(NDJSON):
-                    # A progress stream (`narwhal readmit`): passed on as it comes.
-                    await request.start_stream({}, NDJSON)
-                    async for piece in answer.content.iter_any():
-                        await request.send(piece)
-                    await request.end()
-                    return
-                payload = await answer.read()
-                out = {
-                    k: v
-                    for k in ("WWW-Authenticate", "Retry-After", "Allow")
-                    if (v := answer.headers.get(k)) is not None
-                }
-                content_type = answer.headers.get("Content-Type", "application/octet-stream")
-                request.respond(answer.status, payload, content_type, out)
-        except (aiohttp.ClientError, OSError):
-            request.answer(
-                error_answer(
-                    503, CONTROL_LOST, "service_unavailable", "control_lost", retry_after_s=1
-                )
-            )
+        surface = ClientSurface(
+            self.dataplane,
+            lambda: self.gate.ready(self.fleet),
+            lambda: self.fleet.servable_models(self.clock.monotonic()),
+            self.forward,
+            {"X-Narwhal-Worker": str(self.index)},
+            in_progress,
+        )
+        serving = self.config.serving
+        rejected = self.metrics.client_rejected
+        return H1Server(
+            client_routes(surface),
+            self.forward,
+            limits=client_limits(serving),
+            budget=SharedConnections(table, row, serving.max_client_connections),
+            on_reject=lambda reason: rejected.labels(reason).inc(),
+        )
 
     # ---------------------------------------------------------------- run
     async def ship_stats(self) -> None:
@@ -322,6 +234,8 @@ class Worker:
             async with asyncio.TaskGroup() as tg:
                 lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag))
                 stats = tg.create_task(self.ship_stats())
+                interval_s = self.config.placement.metrics_interval_s
+                prefix = tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))
                 await self.drain.wait()
                 self.gate.draining = True
                 # Stop accepting, close idle connections, let running requests finish
@@ -329,12 +243,12 @@ class Worker:
                 await server.drain(self.grace_s)
                 lag.cancel()
                 stats.cancel()
+                prefix.cancel()
             self.send_stats()  # the last counts, before the exit closes the channel
             self.channel.flush()
         finally:
             await server.drain(0.0)
-            if self._session is not None:
-                await self._session.close()
+            await self.forward.close()
             await self.client.close()
             await self.dataplane.close()
 

@@ -135,6 +135,13 @@ class DataMetrics:
             ["result"],
             registry=r,
         )
+        self.client_rejected = Counter(
+            "narwhal_client_rejected",
+            "Client connections and requests refused at the edge, by reason (header_timeout, "
+            "body_timeout, header_too_large, body_too_large, malformed, connections)",
+            ["reason"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "narwhal_event_loop_lag_seconds",
             "How late the router's event loop ran a due wake-up (a stall delays everything)",
@@ -204,6 +211,11 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "narwhal_queue_depth", "Requests waiting for a data connection", registry=r
+        )
+        self.client_connections = Gauge(
+            "narwhal_client_connections",
+            "Client connections open, all workers together, read at scrape time",
+            registry=r,
         )
         self.in_flight = Gauge(
             "narwhal_engine_in_flight", "Requests in flight per engine", ["engine"], registry=r
