@@ -5,6 +5,7 @@ Gemma 3 270M model with `scripts/get-vllm.sh`. `VllmServer` runs one OpenAI serv
 ports it picks, with prefix caching, KV events on ZMQ (PUB bound on `tcp://*:{events_port}`,
 replay ROUTER on `tcp://127.0.0.1:{replay_port}`) and, unless told otherwise, the NixlConnector
 with a CPU KV buffer, so two of them hand a prompt's KV over from prefill to decode.
+`prime_handoff` makes a pair's first NIXL handshake before a test depends on it.
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ class VllmServer:
         install: VllmInstall,
         log_path: Path,
         *,
-        nixl: bool = True,
+        kv_role: str | None = "kv_both",
         kv_cache_bytes: int = 256 << 20,
         start_timeout_s: float = 600.0,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.install = install
         self.log_path = log_path
-        self.nixl = nixl
+        self.kv_role = kv_role
         self.kv_cache_bytes = kv_cache_bytes
         self.start_timeout_s = start_timeout_s
         self.extra_args = extra_args
@@ -107,10 +108,10 @@ class VllmServer:
             "--enable-prefix-caching",
             "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
-        if self.nixl:
+        if self.kv_role is not None:
             transfer = {
                 "kv_connector": "NixlConnector",
-                "kv_role": "kv_both",
+                "kv_role": self.kv_role,  # kv_producer (prefill) or kv_consumer (decode)
                 "kv_buffer_device": "cpu",
             }
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
@@ -189,3 +190,47 @@ class VllmServer:
                 self.kill()
         if self._proc is not None:
             self._signal_group(signal.SIGKILL)  # a child the server left behind
+
+
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def _post(url: str, body: dict[str, object], timeout_s: float) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")}
+
+
+def prime_handoff(prefill: VllmServer, decode: VllmServer, attempts: int = 3) -> int:
+    """One warm-up completion on each server, then direct prefill->decode handoffs until one
+    succeeds; returns how many it took. The decode's first handshake with a prefill waits at
+    most 5 s for its answer (fixed in vLLM 0.32's NixlConnector): right after start-up on 2
+    loaded cores that has timed out (`zmq.error.Again`, the request a 500)."""
+    body: dict[str, object] = {"model": MODEL_ALIAS, "prompt": "Warm up.", "temperature": 0}
+    for server in (prefill, decode):
+        status, answer = _post(server.url + "/v1/completions", {**body, "max_tokens": 1}, 120)
+        assert status == 200, answer
+    for attempt in range(1, attempts + 1):
+        status, first = _post(
+            prefill.url + "/v1/completions",
+            {**body, "max_tokens": 1, "kv_transfer_params": PREFILL_KV_PARAMS},
+            120,
+        )
+        assert status == 200, first
+        decode_body = {**body, "max_tokens": 2, "kv_transfer_params": first["kv_transfer_params"]}
+        status, answer = _post(decode.url + "/v1/completions", decode_body, 120)
+        if status == 200:
+            return attempt
+    raise AssertionError(f"no prefill->decode handoff in {attempts} attempts: {answer}")
