@@ -11,9 +11,10 @@ This module is the I/O shell around `h1_state.Connection`, the connection's stat
 which decides every limit (docs/edge.md, "Limits"): the head's size (431) and time (408), the
 body's size whatever its framing (413, before any handler for a declared size) and the time
 between two of its reads (408), the idle keep-alive time. A refusal is answered in the OpenAI
-error shape on `/v1/*` and `/admin/*` (plain text elsewhere), counted by reason, and followed
-by a close. `Expect: 100-continue` is answered when the handler first reads the body, so only
-once the head's size and the handler's own checks (the client key) have passed. Connections
+error shape whatever the path (the head may not even have one), counted by reason, and
+followed by a close. `Expect: 100-continue` is answered when the handler first reads the
+body, so only once the head's size and the handler's own checks (the client key) have
+passed. Connections
 past the router's bound (`ConnectionBudget`) are closed as soon as they are accepted.
 
 A client that disconnects cancels its running handler (aiohttp's `handler_cancellation`); a
@@ -456,7 +457,8 @@ class ServerConnection(asyncio.Protocol):
             return  # the client left (connection_lost), or the drain's grace ran out
         except BodyRefused as exc:  # a handler that did not answer the refusal itself
             if not request.answered:
-                self._error(request, exc.status, exc.message)
+                body = error_body(exc.message, "invalid_request_error", exc.status)
+                request.respond(exc.status, body, "application/json")
             else:
                 self.abort()
                 return
@@ -517,13 +519,9 @@ class ServerConnection(asyncio.Protocol):
         if self.state.outbound is not Out.CLOSED:
             return  # another request's answer is going out: the close follows it
         answer = ServerRequest(self, "GET", "/", "")
-        try:
-            path = httptools.parse_url(self._url).path or b"/"
-            answer.path = path.decode("latin-1")
-        except httptools.HttpParserInvalidURLError:
-            pass
         answer.keep_alive = False
-        self._error(answer, refusal.status, refusal.message)
+        body = error_body(refusal.message, "invalid_request_error", refusal.status)
+        answer.respond(refusal.status, body, "application/json")
         self._half_close()
 
     def _half_close(self) -> None:
