@@ -17,10 +17,19 @@ from pydantic import BaseModel
 from narwhal.config import Config
 
 # Sections whose keys apply to new requests, except the ones listed: those size what was
-# built at start (pools, queues, caches, the body limit both servers enforce).
+# built at start (pools, queues, caches, the client server's limits).
 _HOT = {
     "serving": frozenset(
-        {"workers", "max_connections", "queue_limit", "max_body_bytes", "token_count_cache_size"}
+        {
+            "workers",
+            "max_connections",
+            "queue_limit",
+            "max_body_bytes",
+            "token_count_cache_size",
+            "client_header_timeout_s",
+            "client_body_timeout_s",
+            "max_client_connections",
+        }
     ),
     "engine": frozenset({"control_connections", "ca_file"}),
     "recovery": frozenset(),

@@ -306,7 +306,8 @@ class ServerConnection(asyncio.Protocol):
         server = self.server
         if server.draining or not server.budget.take():
             # Past the router's bound: closed before anything is read (a reset, no answer).
-            server.on_reject("connections")
+            if not server.draining:
+                server.on_reject("connections")
             self.state.close()
             self.transport.abort()
             return
