@@ -223,8 +223,9 @@ async def _sample_engine_sockets(ports: set[int], peak: list[int]) -> None:
 async def test_open_upstream_sockets_never_exceed_the_pool_bounds(
     sims: Sims, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    """Counted on the router's real sockets, not its own counters: aiohttp's limit counts only
-    connections in use, so 4 streaming decodes could also keep 4 idle prefill sockets open.
+    """Counted on the router's real sockets, not its own counters: a limit on connections in
+    use alone (aiohttp's) would let 4 streaming decodes also keep 4 idle prefill sockets open,
+    and health checks over one control connection one idle socket per engine.
 
     Nothing else in this process talks to the engines while the sampler runs (the sims'
     urllib helpers are not polled), so every socket to an engine port is the router's: at
@@ -242,6 +243,10 @@ async def test_open_upstream_sockets_never_exceed_the_pool_bounds(
     try:
         passes = rr.router.monitor.status.passes
         await eventually(lambda: rr.router.monitor.status.passes >= passes + 2, what="sweeps")
+        # Until the load starts only the control pool talks to the engines: three engines
+        # checked concurrently every pass, over one connection, keep one socket open, not
+        # one idle keep-alive socket per engine.
+        control_only = peak[0]
         load = asyncio.gather(*(_stream(http, rr.url, 20) for _ in range(CLIENTS)))
         await eventually(lambda: rr.router.dataplane.pool.in_use == LIMIT, what="pool full")
         results = await load
@@ -253,6 +258,7 @@ async def test_open_upstream_sockets_never_exceed_the_pool_bounds(
         await asyncio.gather(sampler, return_exceptions=True)
     assert sorted(r.status for r in results).count(200) == LIMIT
     assert peak[1] > 50
+    assert control_only == control, f"{control_only} control sockets open to the engines"
     assert peak[0] <= LIMIT + control, f"{peak[0]} sockets open to the engines"
 
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -18,6 +19,8 @@ from narwhal.engine.transport import (
     control_get,
     engine_headers,
 )
+from narwhal.tls import engine_context
+from tests.e2e.test_readmission_support import Pki
 from tests.support.poll import eventually
 from tests.support.sockets import client_sockets
 
@@ -130,11 +133,16 @@ class Engines:
 
 @pytest.fixture
 async def engines() -> AsyncIterator[Engines]:
-    """Three engines: `/health` answers at once, `/stream` sends a chunk and then holds the
-    response open, `/hang` answers nothing, both until `release` is set."""
+    """Three engines: `/health` answers at once (`/health/slow` after 10 ms), `/stream` sends
+    a chunk and then holds the response open, `/hang` answers nothing, both until `release`
+    is set."""
     release = asyncio.Event()
 
     async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def slow_health(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.01)  # long enough for concurrent checks to overlap
         return web.Response(text="ok")
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -150,6 +158,7 @@ async def engines() -> AsyncIterator[Engines]:
 
     app = web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/health/slow", slow_health)
     app.router.add_post("/v1/completions", health)
     app.router.add_post("/stream", stream)
     app.router.add_get("/hang", hang)
@@ -176,8 +185,8 @@ async def _settled_sockets(ports: set[int], at_most: int) -> int:
 
 
 async def test_the_control_pool_bound_counts_idle_keepalive_sockets(engines: Engines) -> None:
-    """aiohttp's limit counts only connections in use: one control connection used for three
-    engines in turn would leave three idle keep-alive sockets open."""
+    """A bound on connections in use alone (aiohttp's `limit`) would let one control
+    connection used for three engines in turn leave three idle keep-alive sockets open."""
     client = EngineClient(data_limit=4, control_limit=1)
     await client.start()
     try:
@@ -218,6 +227,41 @@ async def test_the_data_pool_bound_counts_idle_prefill_sockets(engines: Engines)
         for resp in streams:
             resp.release()
         await client.close()
+
+
+async def test_concurrent_control_requests_to_more_engines_stay_within_the_bound(
+    engines: Engines,
+) -> None:
+    """A monitor pass's shape: many checks at once over more engines than control
+    connections. The real sockets, sampled between loop turns, never exceed the bound, and
+    the bound is reached (else the sampler proves nothing)."""
+    limit = 2
+    client = EngineClient(data_limit=4, control_limit=limit)
+    await client.start()
+    peak = 0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, client_sockets(engines.ports))
+            await asyncio.sleep(0)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        for _ in range(5):
+            replies = await asyncio.gather(
+                *(
+                    client.get(PoolKind.CONTROL, url + "/health/slow", 5.0)
+                    for url in engines.urls * 4
+                )
+            )
+            assert [r.status for r in replies] == [200] * 12
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+        await client.close()
+    assert peak == limit, f"{peak} sockets open with control_connections {limit}"
+    assert client.control_in_use == 0
 
 
 # ------------------------------------------------------- one deadline for a control request
@@ -263,3 +307,86 @@ async def test_a_control_requests_wait_for_a_connection_counts_against_its_timeo
     assert isinstance(short, EngineFailure) and not isinstance(short, ControlPoolBusy), short
     assert short.failure_class is FailureClass.TIMEOUT
     assert isinstance(long, ControlPoolBusy), long
+
+
+# ------------------------------------------------------------------ TLS on the control pool
+
+
+@dataclass
+class TlsEngine:
+    url: str
+    port: int
+    ca: Path
+    other_ca: Path
+
+
+@pytest.fixture
+async def tls_engine(tmp_path: Path) -> AsyncIterator[TlsEngine]:
+    """An `https://` engine whose certificate chains to `ca` (not to `other_ca`): `/health`,
+    and a streamed `/v1/completions` (two events, then `[DONE]`)."""
+    pki = Pki(tmp_path / "pki")
+    ca, other = pki.ca("engines-ca"), pki.ca("other-ca")
+    cert, key = pki.issue("engines-ca", "engine", ["localhost"], ["127.0.0.1"])
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in (b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"):
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=Pki.server_context(cert, key))
+    await site.start()
+    port = runner.addresses[0][1]
+    yield TlsEngine(f"https://127.0.0.1:{port}", port, ca, other)
+    await runner.cleanup()
+
+
+async def test_the_control_pool_speaks_tls_to_https_engines(tls_engine: TlsEngine) -> None:
+    """As the data pool: verified against `engine.ca_file`, the socket kept for reuse, a
+    streamed answer read as it comes (an inference probe's decode leg)."""
+    client = EngineClient(4, 2, ssl_context=engine_context(str(tls_engine.ca)))
+    await client.start()
+    try:
+        for _ in range(3):
+            reply = await client.get(PoolKind.CONTROL, tls_engine.url + "/health", 5.0)
+            assert (reply.status, reply.body) == (200, b"ok")
+        assert await _settled_sockets({tls_engine.port}, 1) == 1  # one TLS socket, reused
+        async with client.deadline(PoolKind.CONTROL, 5.0):
+            resp = await client.stream(
+                tls_engine.url + "/v1/completions", b"{}", {}, pool=PoolKind.CONTROL
+            )
+            try:
+                assert (resp.status, resp.content_type) == (200, "text/event-stream")
+                body = await resp.read()
+            finally:
+                resp.release()
+            assert client.control_in_use == 1
+        assert body == b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+        assert client.control_in_use == 0
+    finally:
+        await client.close()
+
+
+async def test_an_engine_certificate_from_another_ca_is_a_connection_failure(
+    tls_engine: TlsEngine,
+) -> None:
+    client = EngineClient(4, 2, ssl_context=engine_context(str(tls_engine.other_ca)))
+    await client.start()
+    try:
+        with pytest.raises(EngineFailure) as failed:
+            await client.get(PoolKind.CONTROL, tls_engine.url + "/health", 5.0)
+    finally:
+        await client.close()
+    assert failed.value.failure_class is FailureClass.CONNECTION
+    assert "CERTIFICATE_VERIFY_FAILED" in failed.value.detail
+    assert client.control_in_use == 0

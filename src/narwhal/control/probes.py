@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import aiohttp
 import orjson
 
 from narwhal.clock import Clock
@@ -286,29 +285,30 @@ class InferenceProber:
     async def decode_leg(self, engine: EngineState, body: dict[str, Any]) -> bytes | None:
         """Run a streamed leg to its terminal marker within the probe timeout; returns the
         last data event."""
-        session = self._client.session(PoolKind.CONTROL)
         headers = self._headers(engine)
         scanner = SseScanner()
         timeout_s = self._cfg.engine.probe_timeout_s
+        url = engine.config.url + "/v1/completions"
         try:
-            async with (
-                self._client.deadline(PoolKind.CONTROL, timeout_s),
-                session.post(
-                    engine.config.url + "/v1/completions", data=orjson.dumps(body), headers=headers
-                ) as resp,
-            ):
-                if resp.status != 200:
-                    cls = classify_status(resp.status) or FailureClass.INFERENCE_STATUS
-                    raise EngineFailure(
-                        cls, f"decode leg answered HTTP {resp.status}", status=resp.status
-                    )
-                async for chunk in resp.content.iter_any():
-                    scanner.feed(chunk)
-                    if scanner.done:
-                        break  # the answer is complete, whether or not the engine hangs up
-                else:
-                    scanner.end()  # a final `data: [DONE]` line without its blank line
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            async with self._client.deadline(PoolKind.CONTROL, timeout_s):
+                resp = await self._client.stream(
+                    url, orjson.dumps(body), headers, pool=PoolKind.CONTROL
+                )
+                try:
+                    if resp.status != 200:
+                        cls = classify_status(resp.status) or FailureClass.INFERENCE_STATUS
+                        raise EngineFailure(
+                            cls, f"decode leg answered HTTP {resp.status}", status=resp.status
+                        )
+                    while chunk := await resp.readany():
+                        scanner.feed(chunk)
+                        if scanner.done:
+                            break  # the answer is complete, whether or not the engine hangs up
+                    else:
+                        scanner.end()  # a final `data: [DONE]` line without its blank line
+                finally:
+                    resp.release()  # kept for reuse if read to its end, else closed
+        except (TimeoutError, OSError) as exc:
             raise classify_exception(exc, FailureClass.STREAM) from None
         if scanner.malformed or not scanner.done:
             raise EngineFailure(FailureClass.STREAM, "decode leg ended without [DONE]")

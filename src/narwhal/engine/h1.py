@@ -1,13 +1,16 @@
-"""HTTP/1.1 to engines on asyncio protocols, parsed by httptools (llhttp): the data pool.
+"""HTTP/1.1 to engines on asyncio protocols, parsed by httptools (llhttp): both pools' client.
 
-Why not aiohttp's client here: it was the largest single cost of a proxied request (about a
-quarter of the router's busy time, docs/benchmarks.md "Hot-path profile"), and the data plane
-needs little of it. This client does what the data plane needs and no more:
+Why not aiohttp's client: it was the largest single cost of a proxied request (about a
+quarter of the router's busy time, docs/benchmarks.md "Hot-path profile"), and the router
+needs little of it. The data pool and the control pool each have their own `H1Client` (their
+own socket bound, so data traffic can never starve health checks). It does what they need and
+no more:
 
 - `POST` (or `GET`) with a body and the caller's headers (`Host`, `Content-Length` and
   `Accept-Encoding: identity` added: the router relays and parses raw bytes);
 - the answer's status and content type, then its body whole (`read`) or piece by piece as it
-  arrives (`readany`), with back-pressure: reading pauses while a reader lags far behind;
+  arrives (`readany`), with back-pressure: reading pauses while a reader lags far behind
+  (`BodyBuffer`, written to serve a server's request bodies as well);
 - bodies framed by `Content-Length`, chunked, or ended by the engine closing (HTTP/1.0 style);
 - keep-alive reuse, and one bound on open sockets, idle ones included: before a new socket
   opens, the oldest idle ones (of any engine) are closed until it fits. With data-plane worker
@@ -31,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, cast
 from urllib.parse import urlsplit
@@ -76,6 +79,92 @@ class EngineConnectionLost(ConnectionError):
 
 class EngineProtocolError(ConnectionError):
     """The engine's answer is not HTTP/1.1 this client can read."""
+
+
+class BodyBuffer:
+    """One message's body as it arrives, read in pieces, with flow control: once more than
+    `high_water` bytes wait unread, `pause` is called (the protocol stops reading its socket),
+    and `resume` once a reader has taken them. The end is `finish`, or `fail` with the error
+    readers then get. Nothing here touches a socket, so any protocol can own one."""
+
+    __slots__ = (
+        "_buffered",
+        "_error",
+        "_high_water",
+        "_loop",
+        "_pause",
+        "_pieces",
+        "_resume",
+        "_waiter",
+        "complete",
+        "paused",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pause: Callable[[], None],
+        resume: Callable[[], None],
+        high_water: int = _HIGH_WATER,
+    ) -> None:
+        self._loop = loop
+        self._pause = pause
+        self._resume = resume
+        self._high_water = high_water
+        self._pieces: deque[bytes] = deque()
+        self._buffered = 0
+        self.paused = False
+        self.complete = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self._pieces
+
+    def feed(self, data: bytes) -> None:
+        self._pieces.append(data)
+        self._buffered += len(data)
+        if self._buffered > self._high_water and not self.paused:
+            self.paused = True
+            self._pause()
+        self._wake()
+
+    def finish(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        """End the body with `error` (the first one wins; nothing once it is complete)."""
+        if self._error is None and not self.complete:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def read_some(self) -> bytes:
+        """The bytes that arrived since the last call (waiting for some); b"" at the end."""
+        while not self._pieces:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        pieces = self._pieces
+        data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        self._buffered = 0
+        if self.paused:
+            self.paused = False
+            self._resume()
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,14 +218,21 @@ class _Connection(asyncio.Protocol):
         self._framed = False
         self._interim = False
         self.head_done: asyncio.Future[None] = self._loop.create_future()
-        self._pieces: deque[bytes] = deque()
-        self._buffered = 0
-        self._paused = False
-        self.complete = False
+        self.body = BodyBuffer(self._loop, self._pause, self._resume)
         self._keep_alive = False  # read when the answer completes: the parser resets after
         self.received = False
-        self._error: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
+
+    def _pause(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    @property
+    def complete(self) -> bool:
+        return self.body.complete
 
     # ------------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -145,7 +241,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._client.forget(self)
-        if self.complete:
+        if self.body.complete:
             return
         if self.head_done.done() and not self._framed and not self._interim:
             self._finish()  # a body without Content-Length or chunking ends where the socket does
@@ -184,12 +280,7 @@ class _Connection(asyncio.Protocol):
             self.head_done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        self._pieces.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
+        self.body.feed(body)
 
     def on_message_complete(self) -> None:
         if self._interim:
@@ -201,54 +292,26 @@ class _Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ state
     def _finish(self) -> None:
-        self.complete = True
+        self.body.finish()
         if not self.head_done.done():
             self.head_done.set_result(None)
-        self._wake()
 
     def _fail(self, error: Exception) -> None:
-        if self._error is None and not self.complete:
-            self._error = error
+        if not self.body.complete:
             if not self.head_done.done():
                 self.head_done.set_exception(error)
                 self.head_done.exception()  # retrieved: a caller that left needs no warning
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            self.body.fail(error)
 
     def send(self, data: bytes) -> None:
         assert self.transport is not None
         self.uses += 1
         self.transport.write(data)
 
-    async def readany(self) -> bytes:
-        """The body bytes that arrived since the last call (waiting for some); b"" at its end."""
-        while not self._pieces:
-            if self._error is not None:
-                raise self._error
-            if self.complete:
-                return b""
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        pieces = self._pieces
-        data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
-        self._buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
-
     def reusable(self) -> bool:
         """A whole answer read off a socket the engine keeps open. Not one whose reading is
         paused (an answer released unread): idle, it would never notice the engine closing."""
-        return self.complete and self._keep_alive and not self.closed and not self._paused
+        return self.body.complete and self._keep_alive and not self.closed and not self.body.paused
 
     def abort(self) -> None:
         """Close at once. The socket counts against the bound until `connection_lost`, when
@@ -273,16 +336,19 @@ class EngineResponse:
         self._done = False
 
     async def readany(self) -> bytes:
-        return await self._connection.readany()
+        """The body bytes that arrived since the last call (waiting for some); b"" at its end."""
+        return await self._connection.body.read_some()
 
     async def read(self) -> bytes:
+        body = self._connection.body
         pieces = []
-        while piece := await self._connection.readany():
+        while piece := await body.read_some():
             pieces.append(piece)
         return b"".join(pieces)
 
     def at_eof(self) -> bool:
-        return self._connection.complete and not self._connection._pieces
+        body = self._connection.body
+        return body.complete and body.empty
 
     def release(self) -> None:
         """Give the socket back for reuse if the answer is complete; otherwise close it."""

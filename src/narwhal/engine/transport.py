@@ -1,18 +1,16 @@
 """HTTP to engines over two bounded pools, with every transport error classified here.
 
-The data pool serves prefill, decode and token counting, on `h1.H1Client` (asyncio protocols
-and httptools: the hot path); the control pool (health, probes, readmission) is a separate
-aiohttp connector so data traffic can never starve it. Each pool's bound counts every open
-socket, idle keep-alive ones included (`H1Client`, `BoundedConnector`). A control
-request has one deadline for waiting for a free control connection and for the request: a wait
-that uses it up, or leaves the engine too little of it, is never charged to the engine
-(`ControlPoolBusy`).
+Both pools run on `h1.H1Client` (asyncio protocols and httptools), one instance each with its
+own bound on open sockets, idle keep-alive ones included: the data pool serves prefill, decode
+and token counting; the control pool serves health checks, probes, readmission and the
+adapters' scrapes, and data traffic can never starve it. A control request has one deadline
+for waiting for a free control connection and for the request: a wait that uses it up, or
+leaves the engine too little of it, is never charged to the engine (`ControlPoolBusy`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -20,8 +18,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
-
-import aiohttp
 
 from narwhal.engine.failures import EngineFailure, FailureClass
 from narwhal.engine.h1 import (
@@ -57,76 +53,21 @@ class ControlPoolBusy(EngineFailure):
 
 
 def classify_exception(exc: BaseException, timeout_class: FailureClass) -> EngineFailure:
-    """Map a transport exception to the spec's failure classes."""
+    """Map a transport exception to the spec's failure classes (docs/failure-handling.md):
+    a deadline to `timeout_class`, anything the socket or the engine's bytes did to
+    `connection`. `H1Client` raises `OSError`s only (its own are `ConnectionError`s; a TLS
+    error is an `ssl.SSLError`); anything else is not a transport error and propagates."""
     if isinstance(exc, EngineFailure):
         return exc
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):
         return EngineFailure(timeout_class, "deadline exceeded", timed_out=True)
     if isinstance(exc, EngineConnectFailed):
         return EngineFailure(FailureClass.CONNECTION, str(exc))
     if isinstance(exc, EngineConnectionLost | EngineProtocolError):
         return EngineFailure(FailureClass.CONNECTION, f"connection lost: {exc}")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return EngineFailure(FailureClass.CONNECTION, f"connect failed: {exc.os_error}")
-    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
-        return EngineFailure(FailureClass.CONNECTION, f"connection lost: {exc}")
-    if isinstance(exc, aiohttp.ClientError | OSError):
+    if isinstance(exc, OSError):
         return EngineFailure(FailureClass.CONNECTION, f"{type(exc).__name__}: {exc}")
     raise exc
-
-
-class BoundedConnector(aiohttp.TCPConnector):
-    """A connector whose `limit` bounds open sockets, idle keep-alive ones included.
-
-    aiohttp's `limit` counts only connections in use, so a router at its bound could also
-    hold as many idle keep-alive sockets (measured: 4 decodes streaming plus 4 idle prefill
-    sockets with `max_connections: 4`). Reusing an idle socket or releasing one into the idle
-    pool leaves the number of open sockets unchanged; only opening a new one raises it, so
-    the bound is kept there: before a new socket is opened, the oldest idle sockets (of any
-    engine) are closed until in use + idle + the new one fit the limit. The hot path, reuse
-    of an idle socket, is untouched.
-
-    This relies on aiohttp's private `_create_connection` hook, `_acquired` (in-use
-    connections, including the placeholder of the one being opened) and `_conns` (idle
-    connections per key, oldest first), pinned to aiohttp 3.14 in pyproject.toml;
-    tests/e2e/test_dataplane_pools.py counts the real sockets and fails if they change.
-    """
-
-    async def _create_connection(self, req: Any, traces: Any, client_timeout: Any) -> Any:
-        if self._evict_idle():
-            # asyncio closes a transport's socket on the next loop iteration: let it, so
-            # that the old socket is gone before the new one exists.
-            await asyncio.sleep(0)
-        return await super()._create_connection(req, traces, client_timeout)
-
-    def _evict_idle(self) -> bool:
-        """Close the oldest idle sockets until one more fits the limit; True if any was."""
-        limit = self._limit
-        if not limit:
-            return False
-        idle = self._conns
-        excess = len(self._acquired) + sum(len(q) for q in idle.values()) - limit
-        evicted = False
-        while excess > 0 and idle:
-            key = min(idle, key=lambda k: idle[k][0][1])  # the oldest idle socket
-            protocol, _ = idle[key].popleft()
-            if not idle[key]:
-                del idle[key]
-            protocol.close()
-            excess -= 1
-            evicted = True
-        return evicted
-
-
-def _connector(limit: int, ssl_context: ssl.SSLContext | None) -> aiohttp.TCPConnector:
-    return BoundedConnector(
-        ssl=ssl_context if ssl_context is not None else True,
-        limit=limit,
-        limit_per_host=0,
-        keepalive_timeout=30,
-        enable_cleanup_closed=False,
-        family=socket.AF_UNSPEC,
-    )
 
 
 class EngineClient:
@@ -139,55 +80,54 @@ class EngineClient:
         ssl_context: ssl.SSLContext | None = None,
         data_sockets: SocketBudget | None = None,
     ) -> None:
-        """`ssl_context`: how HTTPS engines are verified (default: the system trust store,
-        which honours SSL_CERT_FILE). `data_sockets`: the data pool's open sockets as shared
-        with the other data-plane workers."""
+        """`ssl_context`: how HTTPS engines are verified, on both pools (default: the system
+        trust store, which honours SSL_CERT_FILE). `data_sockets`: the data pool's open
+        sockets as shared with the other data-plane workers (the control pool is the
+        control process's alone)."""
         self._data_limit = data_limit
         self._control_limit = control_limit
         self._ssl = ssl_context
         self._data_sockets = data_sockets
         self._data: H1Client | None = None
-        self._sessions: dict[PoolKind, aiohttp.ClientSession] = {}
+        self._control_client: H1Client | None = None
+        # Requests holding a control connection. The control client's socket bound alone
+        # would keep sockets bounded too; this gate makes a wait measurable, so that it is
+        # never charged to an engine (`deadline`), and lets a non-HTTP control step (a TLS
+        # attestation) hold a slot.
         self._control = asyncio.Semaphore(control_limit)
         self.control_in_use = 0
 
     async def start(self) -> None:
         self._data = H1Client(self._data_limit, self._ssl, shared=self._data_sockets)
-        self._sessions[PoolKind.CONTROL] = aiohttp.ClientSession(
-            connector=_connector(self._control_limit, self._ssl),
-            timeout=aiohttp.ClientTimeout(total=None),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            # The router relays engine bytes as they are (SSE) and parses handoffs: a
-            # compressed answer would break both, so engines are asked not to compress.
-            headers={"Accept-Encoding": "identity"},
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines' cookies are never sent back
-        )
+        self._control_client = H1Client(self._control_limit, self._ssl)
 
     async def close(self) -> None:
-        if self._data is not None:
-            self._data.close()
-            self._data = None
-        for session in self._sessions.values():
-            await session.close()
-        self._sessions.clear()
+        for client in (self._data, self._control_client):
+            if client is not None:
+                client.close()
+        self._data = self._control_client = None
 
-    def session(self, pool: PoolKind) -> aiohttp.ClientSession:
-        """The control pool's aiohttp session (the data pool has none)."""
-        assert pool is PoolKind.CONTROL, "the data pool is H1Client's: use stream() or post()"
-        return self._sessions[pool]
+    def _client(self, pool: PoolKind) -> H1Client:
+        client = self._data if pool is PoolKind.DATA else self._control_client
+        assert client is not None, "EngineClient.start() first"
+        return client
 
-    async def stream(self, url: str, body: bytes, headers: Mapping[str, str]) -> EngineResponse:
-        """A data-pool POST whose answer is read as it arrives; the caller bounds the time,
-        ends the response (`release` or `close`) and classifies `OSError`s."""
-        assert self._data is not None, "EngineClient.start() first"
-        return await self._data.request("POST", url, body, headers)
+    async def stream(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        pool: PoolKind = PoolKind.DATA,
+    ) -> EngineResponse:
+        """A POST whose answer is read as it arrives; the caller bounds the time, ends the
+        response (`release` or `close`) and classifies `OSError`s. On the control pool, call
+        it inside `deadline(PoolKind.CONTROL, ...)`, which holds the control connection."""
+        return await self._client(pool).request("POST", url, body, headers)
 
-    async def _data_request(
-        self, method: str, url: str, body: bytes, headers: Mapping[str, str]
+    async def _request(
+        self, pool: PoolKind, method: str, url: str, body: bytes, headers: Mapping[str, str]
     ) -> Reply:
-        assert self._data is not None, "EngineClient.start() first"
-        resp = await self._data.request(method, url, body, headers)
+        resp = await self._client(pool).request(method, url, body, headers)
         try:
             data = await resp.read()
         finally:
@@ -231,6 +171,21 @@ class EngineClient:
                     raise ControlPoolBusy(waited_s) from None
                 raise
 
+    async def _bounded(
+        self,
+        pool: PoolKind,
+        method: str,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> Reply:
+        if pool is PoolKind.DATA:
+            async with asyncio.timeout(timeout_s):
+                return await self._request(pool, method, url, body, headers)
+        async with self.deadline(pool, timeout_s):
+            return await self._request(pool, method, url, body, headers)
+
     async def post(
         self,
         pool: PoolKind,
@@ -242,16 +197,8 @@ class EngineClient:
     ) -> Reply:
         """POST and read the whole reply; raises EngineFailure on transport trouble."""
         try:
-            if pool is PoolKind.DATA:
-                async with asyncio.timeout(timeout_s):
-                    return await self._data_request("POST", url, body, headers)
-            async with (
-                self.deadline(pool, timeout_s),
-                self._sessions[pool].post(url, data=body, headers=headers) as resp,
-            ):
-                data = await resp.read()
-                return Reply(resp.status, data, resp.content_type)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return await self._bounded(pool, "POST", url, body, headers, timeout_s)
+        except (TimeoutError, OSError) as exc:
             raise classify_exception(exc, timeout_class) from None
 
     async def get(
@@ -262,16 +209,8 @@ class EngineClient:
         headers: Mapping[str, str] | None = None,
     ) -> Reply:
         try:
-            if pool is PoolKind.DATA:
-                async with asyncio.timeout(timeout_s):
-                    return await self._data_request("GET", url, b"", headers or {})
-            async with (
-                self.deadline(pool, timeout_s),
-                self._sessions[pool].get(url, headers=headers) as resp,
-            ):
-                data = await resp.read()
-                return Reply(resp.status, data, resp.content_type)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return await self._bounded(pool, "GET", url, b"", headers or {}, timeout_s)
+        except (TimeoutError, OSError) as exc:
             raise classify_exception(exc, FailureClass.TIMEOUT) from None
 
 
