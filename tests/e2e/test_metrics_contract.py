@@ -196,6 +196,14 @@ async def test_every_documented_metric_is_exported_with_its_labels(
         assert resp.status == 200
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
 
+    # A request refused at the edge (counted by reason): bytes that are not HTTP.
+    host, port = rr.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"NOT HTTP\r\n\r\n")
+    async with asyncio.timeout(5):
+        assert (await reader.read(65536)).startswith(b"HTTP/1.1 400")
+    writer.close()
+
     # Membership: an engine added at runtime; a reload refused (not started from a file).
     added = {"id": "p3", "url": f"http://127.0.0.1:{closed_port()}", "role": "prefill"}
     async with http.post(rr.url + "/admin/engines", json=added) as resp:
