@@ -85,12 +85,17 @@ async def test_a_client_that_stops_reading_is_cut_off_at_the_request_deadline(
     sims: tuple[SimProcess, SimProcess], start_router: StartRouter
 ) -> None:
     prefill, decode = sims
+    # The decode sim formats its whole answer before it writes (`--itl-ms 0`), a CPU burst in
+    # which its `/health` waits: 0.2 s alone, past the tests' 0.5 s health timeout on a loaded
+    # host, which the monitor rightly charges as a `timeout`. This test is about what the data
+    # plane charges, so the monitor's probes get the patience of a real deployment.
     rr = await start_router(
         [{"id": "p0", "url": prefill.url, "role": "prefill"},
          {"id": "d0", "url": decode.url, "role": "decode"}],
         recovery={"eject_after": 100, "liveness_misses": 100},
         serving={"request_timeout_s": DEADLINE_S, "first_token_timeout_s": 2.0,
                  "stream_idle_timeout_s": 1.0},
+        engine={"health_timeout_s": 5.0},
     )  # fmt: skip
 
     def in_flight() -> int:
