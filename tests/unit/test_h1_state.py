@@ -354,9 +354,7 @@ def test_refusing_lost_and_closing_are_allowed_in_every_state() -> None:
 
 
 def test_closed_is_final() -> None:
-    assert {after for (before, _), after in IN_TABLE.items() if before is In.CLOSED} == {
-        In.CLOSED
-    }
+    assert {after for (before, _), after in IN_TABLE.items() if before is In.CLOSED} == {In.CLOSED}
     assert {after for (before, _), after in OUT_TABLE.items() if before is Out.CLOSED} == {
         Out.CLOSED
     }
