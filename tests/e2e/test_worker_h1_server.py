@@ -867,3 +867,37 @@ async def test_a_whole_body_left_unread_does_not_stall_the_connection() -> None:
         except TimeoutError:
             pytest.fail("the next request on the connection got neither an answer nor a close")
         assert rest == b"" or rest.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def test_a_pipelining_client_that_does_not_read_stops_the_server_serving_it() -> None:
+    """64 pipelined requests for 1 MiB answers, none read: once the client's socket and the
+    server's buffer are full, the server stops starting handlers and reading (its memory for
+    this client stays bounded by one answer); when the client reads, every answer arrives,
+    in order."""
+    calls: list[int] = []
+    answer = b"a" * (1024 * 1024)
+
+    async def big(request: ServerRequest) -> None:
+        calls.append(len(calls))
+        request.respond(200, answer, "application/octet-stream")
+
+    count = 64
+    async with (
+        serving({"/big": {"GET": big}}) as (server, port),
+        connect(port, limit=2 * len(answer)) as client,
+    ):
+        client.send(get("/big") * count)
+
+        def stalled() -> bool:
+            return any("write" in c._paused_by for c in server.connections)
+
+        await eventually(stalled, timeout_s=WAIT_S, what="the server waiting for the client")
+        assert len(calls) < count
+        buffered = sum(
+            c.transport.get_write_buffer_size() for c in server.connections if c.transport
+        )
+        assert buffered <= 2 * len(answer)
+        for _ in range(count):
+            reply = await client.reply()
+            assert reply.status == 200 and len(reply.body) == len(answer)
+    assert calls == list(range(count))

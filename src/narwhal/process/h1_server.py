@@ -372,6 +372,9 @@ class ServerConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+        if "write" in self._paused_by:
+            self.resume_reading("write")
+            self._next()
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -437,8 +440,14 @@ class ServerConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ serving
     def _next(self) -> None:
-        """Start the next queued request's handler, if none is running."""
+        """Start the next queued request's handler, if none is running. Not while the
+        client is not taking its answers (its socket and our buffer are full): a pipelining
+        client that never reads would otherwise have every answer buffered here; reading
+        stops too until it takes them."""
         if self._task is not None or not self._queue or self.lost:
+            return
+        if self._writable is not None and not self._writable.done():
+            self.pause_reading("write")
             return
         self.state.start()
         self._task = self.loop.create_task(self._serve(self._queue[0]))
