@@ -481,9 +481,10 @@ async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
             b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\nExpect: 100-continue\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         )
-        # The worker answers `100 Continue` as it starts the request's handler: only from
-        # then on is the request running, which a drain lets finish. Before, the connection
-        # is one whose bytes the worker has not read, and a drain closes it as idle.
+        # The worker answers `100 Continue` from the request's running handler (as it first
+        # reads the body): from then on the request is running, which a drain lets finish.
+        # Before, the connection is one whose bytes the worker has not read, and a drain
+        # closes it as idle.
         async with asyncio.timeout(5):
             assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(body[:10])
