@@ -38,7 +38,7 @@ for spec in "$PREFILL_PORT:kv_producer" "$DECODE_PORT:kv_consumer"; do
   OMP_NUM_THREADS=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
   setsid "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
     --model "$VLLM_MODEL" --served-model-name demo-model --host 127.0.0.1 --port "$port" \
-    --dtype bfloat16 --max-model-len 2048 --max-num-seqs 4 --block-size 16 \
+    --dtype float32 --max-model-len 2048 --max-num-seqs 4 --block-size 16 \
     --kv-cache-memory-bytes $((512 << 20)) --enforce-eager --enable-prefix-caching \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$((port + 200))\", \"replay_endpoint\": \"tcp://127.0.0.1:$((port + 300))\"}" \
     --kv-transfer-config "{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"$role\", \"kv_buffer_device\": \"cpu\"}" \

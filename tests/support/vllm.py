@@ -99,7 +99,7 @@ class VllmServer:
             "--served-model-name", MODEL_ALIAS,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--dtype", "bfloat16",
+            "--dtype", "float32",  # bf16 made near-ties that PD and unified broke differently
             "--max-model-len", "1024",
             "--max-num-seqs", "4",
             "--block-size", "16",
