@@ -122,6 +122,17 @@ KV_ROLE_PERMITS = {
 }
 
 
+_ZMQ_TCP = r"^tcp://[^\s:/]+:[0-9]{1,5}$"
+
+
+class KvEventsConfig(_Section):
+    """Where a vLLM engine publishes its KV events (`--kv-events-config`, DESIGN §11)."""
+
+    endpoint: str = Field(pattern=_ZMQ_TCP)  # its ZMQ PUB socket, tcp://HOST:PORT
+    replay_endpoint: str | None = Field(default=None, pattern=_ZMQ_TCP)  # its ROUTER socket
+    topic: str = ""
+
+
 class EngineConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     url: str
@@ -135,6 +146,11 @@ class EngineConfig(_Section):
     slot_save_path: str | None = Field(default=None, min_length=1)
     # The model the engine must serve (`GET /v1/models`); unset: the config's `model`.
     model: str | None = Field(default=None, min_length=1)
+    # Cache-aware placement (DESIGN §11): the engine's KV-event publisher (none: Narwhal's
+    # approximate index of what it placed there), and its prefix cache's size in tokens for
+    # that approximate index (unset: placement's default).
+    kv_events: KvEventsConfig | None = None
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
 
     @field_validator("url")
     @classmethod
@@ -528,7 +544,7 @@ TokenizerPath = Annotated[str, Field(min_length=1), AfterValidator(_tokenizer_pa
 class PlacementConfig(_Section):
     """Where a request runs (DESIGN §11, docs/placement.md)."""
 
-    policy: Literal["least_loaded", "prefix"] = "prefix"
+    policy: Literal["least_loaded", "prefix"] = "least_loaded"
     # MODEL: a tokenizer.json, or a directory with tokenizer.json and tokenizer_config.json.
     tokenizers: dict[str, TokenizerPath] = Field(default_factory=dict)
     # For engines without `kv_events` (discovered ones): ports on the engine's host.

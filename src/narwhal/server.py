@@ -42,6 +42,7 @@ from narwhal.control.stages import SmallStages
 from narwhal.control.suspects import SuspectProbes
 from narwhal.dataplane.auth import key_problems
 from narwhal.dataplane.plane import DataPlane
+from narwhal.dataplane.prefix import PlacementCollector
 from narwhal.dataplane.request_ids import numbered_ids, request_prefix
 from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
@@ -150,6 +151,7 @@ class Router:
             note=self.events.add,
         )
         m = self.metrics
+        m.registry.register(PlacementCollector(self.dataplane.prefix))
         m.pool_limit.labels("data").set(config.serving.max_connections)
         m.pool_limit.labels("control").set(config.engine.control_connections)
         # Live gauges, read when /metrics is scraped, instead of a set() per request and leg.

@@ -43,6 +43,7 @@ from narwhal.dataplane.outcomes import (
 from narwhal.dataplane.placement import least_in_flight
 from narwhal.dataplane.policy import Limits, Next, Outcome, after_attempt, limits_for, may_continue
 from narwhal.dataplane.pool import Pool, PoolExhausted
+from narwhal.dataplane.prefix import PrefixPlacement, Prompt
 from narwhal.dataplane.record import TRACE_HEADERS, RequestRecord, client_request_id
 from narwhal.dataplane.requests import (
     BadRequest,
@@ -106,6 +107,7 @@ class DataPlane:
         timeline: Timeline | None = None,
         pool: Pool | None = None,
         note: Note | None = None,
+        prefix: PrefixPlacement | None = None,
     ) -> None:
         """`note` puts an event on the control process's timeline (telemetry/events.py):
         migrations happen here, in the data plane."""
@@ -133,6 +135,9 @@ class DataPlane:
         self._moves = Moves()
         self._legs = Legs(client, adapters, evidence, metrics, self._stats, config.serving)
         self._streams = Streams(self._legs, self._moves, clock)
+        self._prefix = prefix or PrefixPlacement(config, clock)
+        self._prefix_lookups = Children(metrics.prefix_lookup_tokens)
+        self._prefix_hits = Children(metrics.prefix_hit_tokens)
         self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
         self._by_key = Children(metrics.key_requests)
         self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
@@ -319,6 +324,11 @@ class DataPlane:
             ok = True
         finally:
             self._tracer.end(span, {}, ok)
+
+    @property
+    def prefix(self) -> PrefixPlacement:
+        """Cache-aware placement: its `run` belongs in the process's task group."""
+        return self._prefix
 
     async def close(self) -> None:
         """Send the spans still batched (tracing on)."""
@@ -681,14 +691,25 @@ class DataPlane:
 
     # ---------------------------------------------------------------- one attempt
     @contextmanager
-    def _placed(self, role: Role, tried: set[str], model: str | None) -> Iterator[EngineState]:
+    def _placed(
+        self, role: Role, tried: set[str], model: str | None, prompt: Prompt | None = None
+    ) -> Iterator[EngineState]:
         """An engine for `role`, in flight there until the block ends. Engines not yet
-        `tried` by this request come first; the pick and its count are one step for every
-        worker (`InFlightCounts.claim`)."""
+        `tried` by this request come first; with a `prompt` (cache-aware placement) the
+        engine holding most of its prefix against load, else the least loaded. The pick and
+        its count are one step for every worker (`InFlightCounts.claim`)."""
         now = self._clock.monotonic()
+        matched = 0
 
         def choose(turn: int) -> str | None:
+            nonlocal matched
             candidates = self._fleet.candidates(role, now, model)
+            if prompt is not None:
+                ranked = self._prefix.choose(prompt, role, candidates, turn, tried)
+                if not ranked:
+                    return None
+                matched = ranked[0].matched_tokens
+                return ranked[0].id
             return least_in_flight(candidates, turn, exclude=tried) or least_in_flight(
                 candidates, turn
             )
@@ -698,6 +719,11 @@ class DataPlane:
         if engine_id is None:
             raise NoCapacity(role, not self._fleet.has_verified(role, model))
         tried.add(engine_id)
+        if prompt is not None:
+            if role is not Role.DECODE:
+                self._prefix_lookups(prompt.model).inc(prompt.tokens)
+                self._prefix_hits(prompt.model).inc(matched)
+            self._prefix.placed(prompt, engine_id, matched)
         try:
             yield self._fleet.get(engine_id)
         finally:
@@ -718,9 +744,10 @@ class DataPlane:
                 400, f"The model `{model}` serves embeddings only (/v1/embeddings)",
                 param="model", code="model_not_supported",
             )  # fmt: skip
+        prompt = self._prefix.prompt(req, model or self._cfg.model)
         if roles == (Role.BOTH,):
             with (
-                self._placed(Role.BOTH, tried, model) as engine,
+                self._placed(Role.BOTH, tried, model, prompt) as engine,
                 self._traced(exchange, attempt, "unified", engine.id),
             ):
                 self._placed_on(exchange, None, engine.id)
@@ -737,7 +764,7 @@ class DataPlane:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
         with (
-            self._placed(Role.PREFILL, tried, model) as prefill,
+            self._placed(Role.PREFILL, tried, model, prompt) as prefill,
             self._traced(exchange, attempt, "prefill", prefill.id),
         ):
             self._placed_on(exchange, prefill.id, None)
@@ -747,7 +774,7 @@ class DataPlane:
             return await self._finished_in_prefill(exchange, deadline, attempt, handoff)
         try:
             with (
-                self._placed(Role.DECODE, tried, model) as decode,
+                self._placed(Role.DECODE, tried, model, prompt) as decode,
                 self._traced(exchange, attempt, "decode", decode.id),
             ):
                 self._placed_on(exchange, prefill.id, decode.id)

@@ -135,6 +135,18 @@ class DataMetrics:
             ["result"],
             registry=r,
         )
+        self.prefix_lookup_tokens = Counter(
+            "narwhal_prefix_lookup_tokens",
+            "Prompt tokens placed by cache-aware placement (policy prefix), by model",
+            ["model"],
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "narwhal_prefix_hit_tokens",
+            "Prompt tokens found cached on the prefill engine chosen, by model",
+            ["model"],
+            registry=r,
+        )
         self.client_rejected = Counter(
             "narwhal_client_rejected",
             "Client connections and requests refused at the edge, by reason (header_timeout, "

@@ -1,0 +1,253 @@
+"""Cache-aware placement in one process (DESIGN §11, docs/placement.md): each request's
+prompt as block keys, each candidate's cached prefix from the block index, and the ranking.
+
+Every data-plane process (the one process, or each worker) keeps its own index, fed by its
+own KV-event subscription to every engine (a ZMQ PUB socket fans out to any number of
+subscribers) and by its own placements; placements are also shared (`note_placed` from the
+other processes) so that a new prefix is not spread across engines before events arrive.
+`sync` keeps the index's engines equal to the fleet's and applies the hygiene rules: an engine
+ejected, drained, in maintenance, leaving, or readmitted with a new generation holds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from narwhal.clock import Clock
+from narwhal.config import Config, EngineConfig, PlacementConfig, Role
+from narwhal.dataplane.requests import ClientRequest
+from narwhal.fleet.holds import HoldName
+from narwhal.fleet.state import Candidate, EngineState
+from narwhal.placement.facade import Placement
+from narwhal.placement.keys import BlockKey
+from narwhal.placement.score import Load, Ranked, rank
+from narwhal.placement.subscriber import KvEventsEndpoint, subscribe
+from narwhal.placement.tokenizer import PromptTokenizer
+
+log = logging.getLogger("narwhal.placement")
+
+BLOCK_SIZE_TOKENS = 16  # vLLM's default `--block-size`: every engine of a model shares one
+DEFAULT_CAPACITY_TOKENS = 1 << 20  # an engine's cache for the approximate index, when unknown
+_OUT_HOLDS = frozenset({HoldName.OPERATOR_DRAIN, HoldName.PLANNED_MAINTENANCE})
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt as placement sees it."""
+
+    model: str
+    keys: tuple[BlockKey, ...]
+    tokens: int  # the prompt's length in (pseudo) tokens
+
+
+Shared = Callable[[str, str, Sequence[BlockKey]], None]
+"""Tell the other processes that a prefill with these keys went to an engine."""
+
+
+def _unshared(model: str, engine_id: str, keys: Sequence[BlockKey]) -> None:
+    """One process: nobody else to tell."""
+
+
+def events_of(engine: EngineConfig, placement: PlacementConfig) -> KvEventsEndpoint | None:
+    """The engine's KV-event endpoint: its own config, else the placement ports on its host."""
+    if engine.kv_events is not None:
+        events = engine.kv_events
+        return KvEventsEndpoint(events.endpoint, events.replay_endpoint, events.topic)
+    if placement.kv_events_port is None:
+        return None
+    host = engine.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+    replay = placement.kv_events_replay_port
+    return KvEventsEndpoint(
+        f"tcp://{host}:{placement.kv_events_port}",
+        None if replay is None else f"tcp://{host}:{replay}",
+    )
+
+
+class PrefixPlacement:
+    def __init__(self, config: Config, clock: Clock, share: Shared = _unshared) -> None:
+        self.enabled = config.placement.policy == "prefix"
+        self.index = Placement()
+        self._clock = clock
+        self._share = share
+        self._placement_config = config.placement
+        self._tokenizer = PromptTokenizer.from_config(config.placement) if self.enabled else None
+        self._seen: dict[str, tuple[bool, float | None]] = {}  # engine: (out, generation)
+        self._endpoints: dict[str, KvEventsEndpoint] = {}
+
+    # ------------------------------------------------------------ membership and hygiene
+    def sync(self, engines: Iterable[EngineState], now: float) -> None:
+        """The fleet as it is now: engines added, removed, and dropped by the hygiene rules."""
+        if not self.enabled:
+            return
+        present = set()
+        for engine in engines:
+            if engine.role is Role.EMBED:
+                continue
+            present.add(engine.id)
+            config = engine.config
+            endpoint = events_of(config, self._placement_config)
+            if self._tokenizer is None or self._tokenizer.model(config.model or "") is None:
+                # The engine's events carry its token ids; without the model's tokenizer the
+                # router's keys (over text) can never equal them: approximate index only.
+                endpoint = None
+            if engine.id not in self._seen:
+                self.index.set_engine(
+                    engine.id,
+                    model=config.model or "",
+                    block_size_tokens=BLOCK_SIZE_TOKENS,
+                    capacity_tokens=config.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS,
+                    has_events=endpoint is not None,
+                    has_replay=endpoint is not None and endpoint.replay_endpoint is not None,
+                )
+            out = (
+                engine.ejected is not None
+                or engine.leaving is not None
+                or any(h.name in _OUT_HOLDS for h in engine.active_holds(now))
+            )
+            before = self._seen.get(engine.id)
+            if before is not None and ((out and not before[0]) or before[1] != engine.generation):
+                log.info("placement: %s holds nothing now (out or a new generation)", engine.id)
+                self.index.drop_engine(engine.id)
+            self._seen[engine.id] = (out, engine.generation)
+            if endpoint is not None:
+                self._endpoints[engine.id] = endpoint
+            else:
+                self._endpoints.pop(engine.id, None)
+        for gone in set(self._seen) - present:
+            self.index.remove_engine(gone)
+            del self._seen[gone]
+            self._endpoints.pop(gone, None)
+
+    def engines(self) -> list[str]:
+        """The engines the index follows."""
+        return sorted(self._seen)
+
+    async def run(self, fleet: Callable[[], Iterable[EngineState]], interval_s: float) -> None:
+        """Until cancelled: every `interval_s`, `sync` with the fleet, and keep one subscriber
+        task per engine with events (started, restarted when its endpoint changes or its task
+        ended, stopped when the engine left)."""
+        if not self.enabled:
+            return
+        context = zmq.asyncio.Context()
+        tasks: dict[str, tuple[KvEventsEndpoint, asyncio.Task[None]]] = {}
+        try:
+            while True:
+                self.sync(fleet(), self._clock.monotonic())
+                for engine_id, (endpoint, task) in list(tasks.items()):
+                    if self._endpoints.get(engine_id) != endpoint or task.done():
+                        task.cancel()
+                        del tasks[engine_id]
+                for engine_id, endpoint in self._endpoints.items():
+                    if engine_id not in tasks:
+                        task = asyncio.create_task(
+                            subscribe(
+                                engine_id, endpoint, self.index, context=context, clock=self._clock
+                            ),
+                            name=f"kv-events-{engine_id}",
+                        )
+                        tasks[engine_id] = (endpoint, task)
+                await self._clock.sleep(interval_s)
+        finally:
+            for _, task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*(t for _, t in tasks.values()), return_exceptions=True)
+            context.term()
+
+    # ------------------------------------------------------------ the request path
+    def prompt(self, req: ClientRequest, model: str) -> Prompt | None:
+        """The request's block keys (None: placement by load only)."""
+        if self._tokenizer is None:
+            return None
+        body: dict[str, Any] = req.body
+        if req.endpoint == "chat":
+            ids = self._tokenizer.chat(model, body).ids
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                prompt = prompt[0]  # one prompt of a batch: parts are placed one by one
+            if not isinstance(prompt, str | list):
+                return None
+            ids = self._tokenizer.completion(model, prompt).ids
+        keys = tuple(self.index.keys(model, ids, cache_salt=_salt(body)))
+        return Prompt(model, keys, len(ids))
+
+    def choose(
+        self,
+        prompt: Prompt,
+        role: Role,
+        candidates: Sequence[Candidate],
+        turn: int,
+        exclude: Iterable[str] = (),
+    ) -> list[Ranked]:
+        """The candidates best first, those in `exclude` last."""
+        matched = self.index.match(prompt.model, prompt.keys, self._clock.monotonic())
+        loads = [Load(c.id, c.in_flight) for c in candidates]
+        hits = {engine: m.matched_tokens for engine, m in matched.items()}
+        ranked = rank(loads, hits, prompt.tokens, turn, decode=role is Role.DECODE)
+        skip = set(exclude)
+        return [r for r in ranked if r.id not in skip] + [r for r in ranked if r.id in skip]
+
+    def placed(self, prompt: Prompt, engine_id: str, matched_tokens: int) -> None:
+        """A prefill with the prompt's keys went to `engine_id`: speculative until its events
+        confirm it, and told to the other processes."""
+        now = self._clock.monotonic()
+        self.index.note_placed(
+            prompt.model, engine_id, prompt.keys, now, matched_tokens=matched_tokens
+        )
+        self._share(prompt.model, engine_id, prompt.keys)
+
+    def placed_elsewhere(self, model: str, engine_id: str, keys: Sequence[BlockKey]) -> None:
+        """Another process placed a prefill (its `share`)."""
+        now = self._clock.monotonic()
+        # Its events are this process's to expect only if it expected new blocks: not known here.
+        covered = len(keys) * BLOCK_SIZE_TOKENS
+        self.index.note_placed(model, engine_id, keys, now, matched_tokens=covered)
+
+
+def _salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) else None
+
+
+class PlacementCollector:
+    """The index's state as metrics (DESIGN §11), read at scrape time from the control
+    process's own index (which subscribes like every data-plane process does, so it counts
+    each event once however many workers there are)."""
+
+    def __init__(self, prefix: PrefixPlacement) -> None:
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        index = self._prefix.index
+        blocks = GaugeMetricFamily(
+            "narwhal_prefix_index_blocks",
+            "Blocks the placement index holds for each engine (exact, approximate and speculative)",
+            labels=["engine"],
+        )
+        events = CounterMetricFamily(
+            "narwhal_kv_events",
+            "KV events received from each engine's publisher",
+            labels=["engine"],
+        )
+        gaps = CounterMetricFamily(
+            "narwhal_kv_event_gaps",
+            "Sequence gaps in each engine's KV-event stream (replayed or dropped)",
+            labels=["engine"],
+        )
+        for engine in self._prefix.engines():
+            counters = index.counters(engine)
+            if counters is None:
+                continue
+            blocks.add_metric([engine], index.index_blocks(engine))
+            events.add_metric([engine], counters.events)
+            gaps.add_metric([engine], counters.gaps)
+        yield blocks
+        yield events
+        yield gaps

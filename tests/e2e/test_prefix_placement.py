@@ -1,0 +1,141 @@
+"""Cache-aware placement (`placement.policy: prefix`, DESIGN §11) in front of simulated engines
+that keep a prefix cache and publish vLLM's KV events over real ZMQ sockets, with a real
+tokenizer in the router and in the engines, through the official `openai` client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support.http import metric, metric_sum
+from tests.support.poll import eventually
+from tests.support.router import RunningRouter, StartRouter
+from tests.support.sim_process import SimProcess
+from tests.support.tokenizers import wheel_tokenizer
+
+MODEL = "demo-model"
+PREFIX = "You are a careful assistant who answers questions about the sea. " * 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Path:
+    return wheel_tokenizer("qwen3")
+
+
+@pytest.fixture
+def sims(tokenizer: Path) -> Iterator[list[SimProcess]]:
+    """p0, p1 (prefill) and d0 (decode), each with a prefix cache and KV events."""
+    common = ("--kv-blocks", "2048", "--block-size", "16", "--tokenizer", str(tokenizer))
+    events = ("--kv-events-port", "0", "--kv-events-replay-port", "0")
+    procs = [
+        SimProcess("--role", "prefill", "--kv-role", "kv_producer", *common, *events),
+        SimProcess("--role", "prefill", "--kv-role", "kv_producer", *common, *events),
+        SimProcess("--role", "decode", "--kv-role", "kv_consumer", *common),
+    ]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.close()
+
+
+def _engines(sims: list[SimProcess], ids: tuple[str, ...] = ("p0", "p1", "d0")) -> list[dict]:
+    by_id = dict(zip(("p0", "p1", "d0"), sims, strict=True))
+    engines: list[dict[str, Any]] = []
+    for engine_id in ids:
+        sim = by_id[engine_id]
+        entry: dict[str, Any] = {"id": engine_id, "url": sim.url}
+        if engine_id.startswith("p"):
+            events = sim.get_json("/sim/kv_events")
+            entry |= {"role": "prefill", "kv_role": "kv_producer"}
+            entry["kv_events"] = {k: events[k] for k in ("endpoint", "replay_endpoint", "topic")}
+        else:
+            entry |= {"role": "decode", "kv_role": "kv_consumer"}
+        engines.append(entry)
+    return engines
+
+
+async def _complete(rr: RunningRouter, prompt: str) -> Any:
+    async with openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="k", max_retries=0) as client:
+        return await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+
+
+async def _index_blocks(rr: RunningRouter, engine: str) -> float:
+    async with aiohttp.ClientSession() as http:
+        return await metric(http, rr.url, "narwhal_prefix_index_blocks", engine=engine)
+
+
+@pytest.mark.single_process  # the router's own index is the one it places with
+async def test_a_prefix_stored_on_an_engine_draws_its_requests_there_by_its_events(
+    start_router: StartRouter, sims: list[SimProcess], tokenizer: Path
+) -> None:
+    """Router `a` (only p1 as prefill) runs a prompt, so p1 caches its prefix and publishes
+    the blocks. Router `b` never placed that prefix itself: it knows where it is only from p1's
+    events, and sends the next prompt with that prefix to p1, not to p0 (first in rotation),
+    where the engine's own answer shows the prefix came from its cache."""
+    placement = {"policy": "prefix", "tokenizers": {MODEL: str(tokenizer)}}
+    b = await start_router(_engines(sims), placement=placement)
+    a = await start_router(_engines(sims, ("p1", "d0")), placement=placement)
+    first = await _complete(a, PREFIX + "How deep is the sea?")
+    assert first.usage.prompt_tokens > 100
+    assert len(sims[1].requests()) == 1
+
+    async def learned() -> bool:
+        return await _index_blocks(b, "p1") >= first.usage.prompt_tokens // 16 - 1
+
+    await eventually(learned, timeout_s=10, what="router b learned p1's blocks from its events")
+    assert await _index_blocks(b, "p0") == 0
+
+    second = await _complete(b, PREFIX + "What lives at the bottom?")
+    assert len(sims[1].requests()) == 2, "placed on the engine holding the prefix"
+    assert sims[0].requests() == []
+    # The prefill engine's own counter (a decode's `cached_tokens` counts what it loaded).
+    hits = metric_sum(sims[1].metrics(), "vllm:prefix_cache_hits_total")
+    assert hits >= 100, f"p1 computed the prompt's shared prefix from its cache ({hits} tokens)"
+    assert second.usage.prompt_tokens > 100
+    async with aiohttp.ClientSession() as http:
+        hit = await metric(http, b.url, "narwhal_prefix_hit_tokens_total", model=MODEL)
+        looked = await metric(http, b.url, "narwhal_prefix_lookup_tokens_total", model=MODEL)
+    assert 0 < hit <= looked
+
+
+async def test_without_prefix_placement_the_same_prompts_rotate(
+    start_router: StartRouter, sims: list[SimProcess], tokenizer: Path
+) -> None:
+    """The control: `least_loaded` (the default) spreads the same two prompts over both."""
+    rr = await start_router(_engines(sims))
+    await _complete(rr, PREFIX + "How deep is the sea?")
+    await _complete(rr, PREFIX + "What lives at the bottom?")
+    assert (len(sims[0].requests()), len(sims[1].requests())) == (1, 1)
+
+
+async def test_an_engine_that_clears_its_cache_holds_nothing_in_the_index(
+    start_router: StartRouter, sims: list[SimProcess], tokenizer: Path
+) -> None:
+    """`AllBlocksCleared` (vLLM's reset_prefix_cache) empties the engine's exact entries."""
+    placement = {"policy": "prefix", "tokenizers": {MODEL: str(tokenizer)}}
+    rr = await start_router(_engines(sims, ("p1", "d0")), placement=placement)
+    answer = await _complete(rr, PREFIX + "How deep is the sea?")
+    stored = answer.usage.prompt_tokens // 16  # the prompt's full blocks
+
+    async def learned() -> float:
+        async with aiohttp.ClientSession() as http:
+            events = await metric(http, rr.url, "narwhal_kv_events_total", engine="p1")
+        return events and await _index_blocks(rr, "p1")
+
+    before = await eventually(learned, timeout_s=10, what="p1's blocks in the index")
+    assert before >= stored
+    status, _ = sims[1].http("POST", "/reset_prefix_cache")
+    assert status == 200
+
+    async def dropped() -> bool:  # what Narwhal's own placement left may remain
+        return await _index_blocks(rr, "p1") <= before - stored
+
+    await eventually(dropped, timeout_s=10, what="p1's exact entries dropped")
