@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-real lock test lint typecheck pytest pytest-single test-fast clean system-deps bench bench-quick soak
+.PHONY: demo demo-real demo-vllm lock test lint typecheck pytest pytest-single test-fast clean system-deps bench bench-quick soak
 
 # Every dependency at the version in requirements/ci.lock (pyproject.toml declares ranges).
 LOCK   := requirements/ci.lock
@@ -30,6 +30,10 @@ demo: $(STAMP)
 # The router in front of one prefill and one decode llama-server (docs/engines.md).
 demo-real: $(STAMP)
 	VENV=$(VENV) scripts/demo-real.sh
+
+# The router in front of one prefill and one decode vLLM (CPU build) over NIXL (docs/engines.md).
+demo-vllm: $(STAMP)
+	VENV=$(VENV) scripts/demo-vllm.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -62,9 +66,9 @@ pytest-single: $(STAMP) system-deps
 
 test: lint typecheck pytest pytest-single
 
-# Local loop: skips the slow end-to-end scenarios (CI runs everything).
+# Local loop: skips the slow end-to-end scenarios and the real engines (CI runs everything).
 test-fast: $(STAMP) system-deps
-	$(BIN)/pytest -q -m 'not slow and not llama'
+	$(BIN)/pytest -q -m 'not slow and not llama and not vllm'
 
 # Benchmarks (docs/benchmarks.md): full run (~28 min on 2 cores, llama, floor_ab and router_bound suites included) and a quick smoke (< 1 min).
 bench: $(STAMP)

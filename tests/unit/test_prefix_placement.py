@@ -1,0 +1,110 @@
+"""The data plane's cache-aware placement: prompt keys, the ranking over candidates, and the
+index's hygiene as the fleet changes (an engine out of service or restarted holds nothing)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from narwhal.clock import FakeClock
+from narwhal.config import Role, parse_config
+from narwhal.dataplane.prefix import PrefixPlacement, events_of
+from narwhal.dataplane.requests import parse_request
+from narwhal.fleet.holds import Hold, HoldName
+from narwhal.fleet.state import Candidate, Ejection, EngineState
+
+CONFIG = parse_config(
+    {
+        "model": "m",
+        "engines": [
+            {"id": "p0", "url": "http://10.0.0.1:8000", "role": "prefill"},
+            {"id": "p1", "url": "http://10.0.0.2:8000", "role": "prefill"},
+            {"id": "d0", "url": "http://10.0.0.3:8000", "role": "decode"},
+        ],
+        "placement": {"policy": "prefix", "kv_events_port": 5557},
+    }
+)
+PROMPT = "the same long system prompt for every question " * 20
+
+
+def states() -> dict[str, EngineState]:
+    return {e.id: EngineState(config=e, role=e.role, generation=1.0) for e in CONFIG.engines}
+
+
+def placed_on(prefix: PrefixPlacement, engine: str) -> None:
+    req = parse_request("completions", _body(PROMPT + "first"), "m")
+    prompt = prefix.prompt(req, "m")
+    assert prompt is not None
+    prefix.placed(prompt, engine, 0)
+
+
+def _body(prompt: str) -> bytes:
+    return b'{"model": "m", "prompt": "%s", "max_tokens": 1}' % prompt.encode()
+
+
+def first_choice(prefix: PrefixPlacement, in_flight: dict[str, int] | None = None) -> str:
+    req = parse_request("completions", _body(PROMPT + "second"), "m")
+    prompt = prefix.prompt(req, "m")
+    assert prompt is not None and prompt.keys
+    loads = in_flight or {}
+    candidates = [Candidate(e, loads.get(e, 0)) for e in ("p0", "p1")]
+    return prefix.choose(prompt, Role.PREFILL, candidates, turn=0)[0].id
+
+
+def test_a_placed_prefix_draws_the_next_request_with_it_until_the_engine_leaves_service() -> None:
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    fleet = states()
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert first_choice(prefix) == "p0"  # no match: rotation's first
+    placed_on(prefix, "p1")
+    assert first_choice(prefix) == "p1"
+    assert first_choice(prefix, {"p1": 2}) == "p1", "a little more load does not move it"
+
+    ejection = Ejection("connection", "refused", 0.0, {})
+    fleet["p1"] = replace(fleet["p1"], ejected=ejection)
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert prefix.index.index_blocks("p1") == 0
+    assert first_choice(prefix) == "p0"
+
+
+def test_a_new_generation_or_a_maintenance_hold_empties_the_engine() -> None:
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    fleet = states()
+    prefix.sync(fleet.values(), clock.monotonic())
+    placed_on(prefix, "p1")
+    fleet["p1"] = replace(fleet["p1"], generation=2.0)  # restarted: a new process
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert prefix.index.index_blocks("p1") == 0
+
+    placed_on(prefix, "p1")
+    hold = Hold(HoldName.PLANNED_MAINTENANCE, "operator", 0.0)
+    fleet["p1"] = replace(fleet["p1"], holds={hold.name: hold})
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert prefix.index.index_blocks("p1") == 0
+
+
+def test_an_engine_removed_from_the_fleet_is_forgotten() -> None:
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    fleet = states()
+    prefix.sync(fleet.values(), clock.monotonic())
+    placed_on(prefix, "p1")
+    del fleet["p1"]
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert "p1" not in prefix.engines()
+
+
+def test_least_loaded_computes_no_keys() -> None:
+    config = CONFIG.model_copy(
+        update={"placement": CONFIG.placement.model_copy(update={"policy": "least_loaded"})}
+    )
+    prefix = PrefixPlacement(config, FakeClock())
+    assert prefix.prompt(parse_request("completions", _body(PROMPT), "m"), "m") is None
+
+
+def test_discovered_engines_publish_on_the_configured_ports_of_their_host() -> None:
+    endpoint = events_of(CONFIG.engines[1], CONFIG.placement)
+    assert endpoint is not None
+    assert endpoint.endpoint == "tcp://10.0.0.2:5557"
+    assert endpoint.replay_endpoint is None
