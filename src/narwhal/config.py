@@ -208,7 +208,13 @@ class ServingConfig(_Section):
     stream_idle_timeout_s: PositiveFloat = 5.0
     queue_limit: int = Field(default=256, ge=0)
     max_attempts: PositiveInt = 2
+    # Client limits (DESIGN §12), on every path before any work: the body's size whatever
+    # its framing; the whole request head's time; the time between two reads of a body; the
+    # router's client connections (all workers together).
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    client_header_timeout_s: PositiveFloat = 10.0
+    client_body_timeout_s: PositiveFloat = 30.0
+    max_client_connections: PositiveInt = 10000
     token_count_cache_size: int = Field(default=4096, ge=0)
     # Data-plane worker processes (DESIGN §9): an integer, or `auto` for the usable CPUs.
     workers: PositiveInt | Literal["auto"] = "auto"
@@ -228,9 +234,6 @@ class ServingConfig(_Section):
     def _workers(cls, value: Any) -> Any:
         """One message naming the key (the union's own errors would name its branches)."""
         if value == "auto" or (type(value) is int and value >= 1):
-    client_header_timeout_s: PositiveFloat = 10.0
-    client_body_timeout_s: PositiveFloat = 30.0
-    max_client_connections: PositiveInt = 10000
             return value
         raise ValueError("must be a positive integer or auto")
 
