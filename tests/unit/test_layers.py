@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "narwhal"
 ALLOWED: dict[str, set[str]] = {
     "fleet": {"clock", "config", "engine"},
     "engine": {"clock", "config"},
-    "dataplane": {"clock", "config", "engine", "fleet", "telemetry"},
+    "dataplane": {"clock", "config", "engine", "fleet", "placement", "telemetry"},
     "state": {"clock", "config", "fleet", "telemetry"},
     "telemetry": {"clock", "config", "engine", "fleet"},
     "discovery": {"clock", "config"},
