@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from narwhal import __version__
+from narwhal import version
 from narwhal.clock import Clock
 from narwhal.sim.config import Role
 from narwhal.sim.embeddings import EmbeddingsBody
@@ -300,7 +300,7 @@ class SimApp:
                 "kv_role": c.kv_role.value,
                 "engine_id": c.engine_id,
                 "tp_size": 1,
-                "version": __version__,
+                "version": version(),
             }
         )
 
@@ -333,7 +333,7 @@ class SimApp:
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
-        return json_response({"version": __version__, "engine": "narwhal-sim"})
+        return json_response({"version": version(), "engine": "narwhal-sim"})
 
     # --- /sim: introspection and faults -----------------------------------------------------
 
