@@ -122,6 +122,14 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
                 )
         return engine_id, reason or None, {flag: body.get(flag, False) for flag in flags}
 
+    async def placement(request: web.Request) -> web.StreamResponse:
+        """How a completions or chat body would be placed now, without running it (DESIGN
+        §11), as this process's index sees it."""
+        answer = router.dataplane.explain_placement(await request.read())
+        return web.Response(
+            status=answer.status, body=answer.body, content_type=answer.content_type
+        )
+
     async def drain(request: web.Request) -> web.StreamResponse:
         found = await operator_request(request)
         if isinstance(found, web.Response):
@@ -206,6 +214,7 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
 
     app.router.add_get("/admin/events", admin_events)
     add_membership_routes(app, router)
+    app.router.add_post("/admin/placement", placement)
     app.router.add_post("/admin/engines/{engine_id}/drain", drain)
     app.router.add_post("/admin/engines/{engine_id}/maintenance", maintenance)
     app.router.add_post("/admin/engines/{engine_id}/readmit", readmit)

@@ -157,6 +157,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
         router_kwargs={"resume": True, "stage_overrides": {"drains": drains}},
         discovery={"file": str(discovered), "interval_s": 0.2},
         auth={"api_keys_env": "TEST_CONTRACT_KEYS"},
+        placement={"policy": "prefix"},  # cache-aware placement's families get samples
     )
     drains.rr = rr
     router = rr.router

@@ -139,3 +139,42 @@ async def test_an_engine_that_clears_its_cache_holds_nothing_in_the_index(
         return await _index_blocks(rr, "p1") <= before - stored
 
     await eventually(dropped, timeout_s=10, what="p1's exact entries dropped")
+
+
+async def test_admin_placement_explains_a_decision_without_running_it(
+    start_router: StartRouter, sims: list[SimProcess], tokenizer: Path
+) -> None:
+    """`POST /admin/placement` ranks each role's engines for a body, best first, with the
+    matched tokens and scores, and sends nothing to any engine."""
+    placement = {"policy": "prefix", "tokenizers": {MODEL: str(tokenizer)}}
+    rr = await start_router(_engines(sims), placement=placement)
+    first = await _complete(rr, PREFIX + "How deep is the sea?")
+    holder = "p0" if sims[0].requests() else "p1"
+    sent = [len(s.requests()) for s in sims]
+
+    async def explained() -> dict[str, Any] | None:
+        body = {"model": MODEL, "prompt": PREFIX + "Why is it salty?", "max_tokens": 4}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(rr.url + "/admin/placement", json=body) as r,
+        ):
+            assert r.status == 200, await r.text()
+            view = await r.json()
+        return view if view["prefill"][0]["matched_tokens"] > 0 else None
+
+    view = await eventually(explained, timeout_s=10, what="the control process's index")
+    assert view["model"] == MODEL
+    assert view["prompt_tokens"] > first.usage.prompt_tokens // 2
+    assert view["prefill"][0]["id"] == holder
+    assert {e["id"] for e in view["prefill"]} == {"p0", "p1"}
+    assert [e["id"] for e in view["decode"]] == ["d0"]
+    assert view["chosen"] == {"prefill": holder, "decode": "d0"}
+    assert [len(s.requests()) for s in sims] == sent, "nothing ran"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(rr.url + "/admin/placement", data=b"{") as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"]
+        async with http.post(
+            rr.url + "/admin/placement", json={"model": "nope", "prompt": "x"}
+        ) as r:
+            assert r.status == 404

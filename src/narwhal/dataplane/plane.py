@@ -325,6 +325,28 @@ class DataPlane:
         finally:
             self._tracer.end(span, {}, ok)
 
+    def explain_placement(self, raw: bytes) -> Answer:
+        """`POST /admin/placement`: a completions or chat body's placement now, not run."""
+        try:
+            probe = orjson.loads(raw)
+            chat = isinstance(probe, dict) and "messages" in probe
+            req = parse_request("chat" if chat else "completions", raw, self._cfg.model)
+            model = req.model or self._cfg.model
+            if not self._fleet.knows_model(model):
+                raise BadRequest(
+                    404, f"The model `{model}` does not exist.", param="model",
+                    type_="NotFoundError", code="model_not_found",
+                )  # fmt: skip
+            if self._fleet.needed_roles(model) == (Role.EMBED,):
+                message = f"The model `{model}` serves embeddings only"
+                raise BadRequest(400, message, param="model", code="model_not_supported")
+        except orjson.JSONDecodeError as exc:
+            return bad_request(BadRequest(400, f"request body is not valid JSON: {exc}"))
+        except BadRequest as exc:
+            return bad_request(exc)
+        view = self._prefix.explain(req, model, self._fleet, self._clock.monotonic())
+        return Answer(200, orjson.dumps(view), "application/json")
+
     @property
     def prefix(self) -> PrefixPlacement:
         """Cache-aware placement: its `run` belongs in the process's task group."""

@@ -25,6 +25,7 @@ from narwhal.config import Config, EngineConfig, PlacementConfig, Role
 from narwhal.dataplane.requests import ClientRequest
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.state import Candidate, EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.placement.facade import Placement
 from narwhal.placement.keys import BlockKey
 from narwhal.placement.score import Load, Ranked, rank
@@ -193,6 +194,34 @@ class PrefixPlacement:
         ranked = rank(loads, hits, prompt.tokens, turn, decode=role is Role.DECODE)
         skip = set(exclude)
         return [r for r in ranked if r.id not in skip] + [r for r in ranked if r.id in skip]
+
+    def explain(self, req: ClientRequest, model: str, fleet: Fleet, now: float) -> dict[str, Any]:
+        """`POST /admin/placement`: how this process would place the request now, without
+        running it (each role's eligible engines best first, with matched tokens and score)."""
+        prompt = self.prompt(req, model)
+        roles = fleet.needed_roles(model)
+        view: dict[str, Any] = {
+            "model": model,
+            "prompt_tokens": prompt.tokens if prompt else None,
+            "prefill": [],
+            "decode": [],
+        }
+        chosen: dict[str, str | None] = {"prefill": None, "decode": None}
+        for role in roles:
+            candidates = fleet.candidates(role, now, model)
+            if prompt is not None:
+                ranked = self.choose(prompt, role, candidates, turn=0)
+            else:  # least_loaded: no keys; ranked by load alone
+                loads = [Load(c.id, c.in_flight) for c in candidates]
+                ranked = rank(loads, {}, 0, 0)
+            name = "prefill" if role in (Role.PREFILL, Role.BOTH) else role.value
+            view[name] = [
+                {"id": r.id, "matched_tokens": r.matched_tokens, "score": round(r.score, 4)}
+                for r in ranked
+            ]
+            chosen[name] = ranked[0].id if ranked else None
+        view["chosen"] = chosen
+        return view
 
     def placed(self, prompt: Prompt, engine_id: str, matched_tokens: int) -> None:
         """A prefill with the prompt's keys went to `engine_id`: speculative until its events
