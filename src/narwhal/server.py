@@ -687,6 +687,7 @@ class Router:
             self.clock,
             runtime,
             self.events.add,
+            placed=self.dataplane.prefix.placed_elsewhere,
         )
         bound = sup.reserve(host, port)
         await web.UnixSite(runner, sup.control_socket).start()

@@ -178,3 +178,22 @@ async def test_admin_placement_explains_a_decision_without_running_it(
             rr.url + "/admin/placement", json={"model": "nope", "prompt": "x"}
         ) as r:
             assert r.status == 404
+
+
+async def test_every_worker_follows_a_placement_made_by_another(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    """With data-plane workers, a new prefix placed by one worker is speculative in every
+    other worker at once: requests with that prefix, each on a new connection (so spread over
+    the workers by the kernel), all go to the first one's prefill engine, not in rotation."""
+    rr = await start_router(_engines(sims), placement={"policy": "prefix"}, serving={"workers": 2})
+    for question in ("one", "two", "three", "four", "five", "six"):
+        async with aiohttp.ClientSession() as http:  # a new connection each time
+            body = {"model": MODEL, "prompt": PREFIX + question, "max_tokens": 2}
+            async with http.post(rr.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+    served = sorted(len(s.requests()) for s in sims[:2])
+    assert served == [0, 6], f"the prefix stayed on one prefill engine ({served})"
+    async with aiohttp.ClientSession() as http, http.get(rr.url + "/admin/workers") as r:
+        workers = (await r.json())["workers"]
+    assert len(workers) == 2

@@ -30,6 +30,7 @@ from typing import Any
 from narwhal.clock import Clock
 from narwhal.config import Config
 from narwhal.control.evidence import EvidenceRecorder
+from narwhal.dataplane.prefix import Shared
 from narwhal.dataplane.request_ids import request_prefix
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
 from narwhal.fleet.admission import Admission
@@ -125,10 +126,14 @@ class Supervisor:
         clock: Clock,
         runtime_dir: Path,
         note: Note,
+        placed: Shared | None = None,
     ) -> None:
-        """`note` puts what workers report (migrations) on the event timeline."""
+        """`note` puts what workers report (migrations) on the event timeline; `placed` is
+        the control process's own index, told of every worker's placement as the other
+        workers are (cache-aware placement's speculative entries, DESIGN §11)."""
         self._config = config
         self._note = note
+        self._placed = placed
         self.count = count
         self.table = table
         self._in_flight = in_flight
@@ -363,6 +368,8 @@ class Supervisor:
                 w.seen_version = frame["version"]
             elif kind == "note":
                 self._note(str(frame["event"]), frame["engine"], str(frame["what"]))
+            elif kind == "placed":
+                self._share_placement(w, frame)
             elif kind == "ready":
                 if w.ready is not None and not w.ready.done():
                     w.ready.set_result(frame["pid"])
@@ -370,6 +377,19 @@ class Supervisor:
                     w.channel.send("gate", gate=self._gate().to_json())
         except (KeyError, ValueError, TypeError) as exc:
             log.error("worker %d sent a malformed %r frame: %s", w.index, frame.get("t"), exc)
+
+    def _share_placement(self, w: WorkerInfo, frame: Frame) -> None:
+        """A worker placed a prefill with these block keys: every other worker (and this
+        process's index) holds them as speculative too, so one new prefix is not sent to two
+        engines by two workers before the engine's events arrive."""
+        model, engine_id, keys = str(frame["model"]), str(frame["engine"]), frame["keys"]
+        if not isinstance(keys, list):
+            raise TypeError("keys must be a list")
+        for other in self.workers:
+            if other is not w and other.channel is not None:
+                other.channel.send("placed", model=model, engine=engine_id, keys=keys)
+        if self._placed is not None:
+            self._placed(model, engine_id, keys)
 
     def _apply_event(self, w: WorkerInfo, frame: Frame) -> None:
         item = frame["item"]

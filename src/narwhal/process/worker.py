@@ -31,6 +31,7 @@ from narwhal.clock import SystemClock
 from narwhal.config import Config, ConfigError, EngineConfig, parse_config
 from narwhal.dataplane.plane import DataPlane
 from narwhal.dataplane.pool import Pool
+from narwhal.dataplane.prefix import PrefixPlacement
 from narwhal.dataplane.request_ids import numbered_ids
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
@@ -120,6 +121,13 @@ class Worker:
             note=lambda event, engine, what: channel.send(
                 "note", event=event, engine=engine, what=what
             ),
+            prefix=PrefixPlacement(
+                self.config,
+                self.clock,
+                share=lambda model, engine, keys: channel.send(
+                    "placed", model=model, engine=engine, keys=list(keys)
+                ),
+            ),
         )
         self.control_socket: str = hello["control_socket"]
         self.forward = ControlForward(self.control_socket, config.admin.resolve_token())
@@ -167,6 +175,8 @@ class Worker:
                     tls_load(self._tls, self.config.tls)
                 except ConfigError as exc:  # changed since the control process loaded it
                     log.error("reload: keeping the TLS certificate in use: %s", exc)
+        elif kind == "placed":  # another worker's placement (cache-aware, DESIGN §11)
+            self.dataplane.prefix.placed_elsewhere(frame["model"], frame["engine"], frame["keys"])
         elif kind == "move":
             self.dataplane.move_streams(frame["engine"])
         elif kind == "drain":
