@@ -23,6 +23,7 @@ from narwhal.config import parse_config
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
 from narwhal.fleet.store import Fleet
 from narwhal.process.channel import Channel, Frame
+from narwhal.process.events import LegFailed, LegSucceeded, decode
 from narwhal.process.reporter import Reporter
 from tests.support.fleet import force_state
 
@@ -287,8 +288,8 @@ async def test_success_without_evidence_sends_nothing(link: Link) -> None:
     link.reporter.failure("d0", slow(), "decode")
     await link.inbox.wait_for(1)
     # Order is kept, so a success frame would have come first, and it would have taken seq 1.
-    assert link.inbox.frames == [
-        {"t": "ev", "seq": 1, "item": ["f", "d0", "timeout", "decode", "no first token in 30 s"]}
+    assert [decode(f) for f in link.inbox.frames] == [
+        LegFailed(1, "d0", "decode", FailureClass.TIMEOUT, "no first token in 30 s")
     ]
 
 
@@ -296,8 +297,8 @@ async def test_success_with_evidence_to_clear_is_sent(link: Link) -> None:
     force_state(link.fleet, "p0", evidence={FailureClass.CONNECTION: 1})
     link.reporter.success("p0", SuccessKind.PREFILL_HANDOFF, "prefill")
     await link.inbox.wait_for(1)
-    assert link.inbox.frames == [
-        {"t": "ev", "seq": 1, "item": ["s", "p0", "prefill_handoff", "prefill"]}
+    assert [decode(f) for f in link.inbox.frames] == [
+        LegSucceeded(1, "p0", "prefill", SuccessKind.PREFILL_HANDOFF)
     ]
 
 
@@ -305,10 +306,25 @@ async def test_failures_carry_increasing_seqs(link: Link) -> None:
     link.reporter.failure("p0", EngineFailure(FailureClass.CONNECTION, "refused"), "prefill")
     link.reporter.failure("d0", EngineFailure(FailureClass.STREAM, "cut"), "decode")
     await link.inbox.wait_for(2)
-    assert [(f["t"], f["seq"], f["item"]) for f in link.inbox.frames] == [
-        ("ev", 1, ["f", "p0", "connection", "prefill", "refused"]),
-        ("ev", 2, ["f", "d0", "stream", "decode", "cut"]),
+    assert [decode(f) for f in link.inbox.frames] == [
+        LegFailed(1, "p0", "prefill", FailureClass.CONNECTION, "refused"),
+        LegFailed(2, "d0", "decode", FailureClass.STREAM, "cut"),
     ]
+
+
+async def test_a_failure_keeps_its_whole_shape_from_the_leg_to_the_reducer(link: Link) -> None:
+    """Status and timed_out survive the channel (the reducer and migration read them)."""
+    failure = EngineFailure(FailureClass.STREAM, "silence", status=None, timed_out=True)
+    link.reporter.failure("d0", failure, "decode")
+    overloaded = EngineFailure(FailureClass.OVERLOAD, "HTTP 503", status=503)
+    link.reporter.failure("d0", overloaded, "decode")
+    await link.inbox.wait_for(2)
+    got = [decode(f) for f in link.inbox.frames]
+    assert all(isinstance(e, LegFailed) for e in got)
+    first, second = (e.failure() for e in got)  # type: ignore[union-attr]
+    assert (first.failure_class, first.detail) == (FailureClass.STREAM, "silence")
+    assert first.timed_out
+    assert (second.status, second.timed_out) == (503, False)
 
 
 async def test_settled_returns_at_once_with_nothing_to_wait_for(link: Link) -> None:

@@ -16,6 +16,8 @@ from typing import Any, cast
 
 import orjson
 
+from narwhal.process.events import WorkerEvent, encode
+
 log = logging.getLogger("narwhal.channel")
 
 Frame = dict[str, Any]
@@ -75,6 +77,11 @@ class Channel(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self.flush)
         fields["t"] = kind
         self._out.append(orjson.dumps(fields))
+
+    def send_event(self, event: WorkerEvent) -> None:
+        """A worker's typed event (`process/events.py`), in its one encoding."""
+        kind, fields = encode(event)
+        self.send(kind, **fields)
 
     def flush(self) -> None:
         if not self._out or self._transport is None or self.closed:

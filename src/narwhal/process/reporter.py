@@ -16,6 +16,7 @@ import contextlib
 from narwhal.engine.failures import EngineFailure, SuccessKind
 from narwhal.fleet.store import Fleet
 from narwhal.process.channel import Channel
+from narwhal.process.events import LegFailed, LegSucceeded
 
 
 class Reporter:
@@ -33,8 +34,7 @@ class Reporter:
     def failure(self, engine_id: str, failure: EngineFailure, leg: str) -> None:
         self._seq += 1
         self._last_sent = self._seq
-        item = ["f", engine_id, failure.failure_class.value, leg, failure.detail]
-        self._channel.send("ev", seq=self._seq, item=item)
+        self._channel.send_event(LegFailed.of(self._seq, engine_id, leg, failure))
 
     def success(self, engine_id: str, kind: SuccessKind, leg: str) -> None:
         engine = self._fleet.find(engine_id)
@@ -42,7 +42,7 @@ class Reporter:
             return
         self._seq += 1
         self._last_sent = self._seq
-        self._channel.send("ev", seq=self._seq, item=["s", engine_id, kind.value, leg])
+        self._channel.send_event(LegSucceeded(self._seq, engine_id, leg, kind))
 
     def acked(self, upto: int) -> None:
         self._acked = max(self._acked, upto)

@@ -32,13 +32,23 @@ from narwhal.config import Config
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.dataplane.prefix import Shared
 from narwhal.dataplane.request_ids import request_prefix
-from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.codec import encode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.process.channel import Channel, Frame
+from narwhal.process.events import (
+    FrameError,
+    LegFailed,
+    LegSucceeded,
+    Noted,
+    Placed,
+    Ready,
+    Seen,
+    Stats,
+    decode,
+)
 from narwhal.process.gate import GateData
 from narwhal.process.table import (
     CHAT,
@@ -357,53 +367,51 @@ class Supervisor:
     # ---------------------------------------------------------------- frames in
     def _on_frame(self, w: WorkerInfo, frame: Frame) -> None:
         try:
-            kind = frame["t"]
-            if kind == "ev":
-                self._apply_event(w, frame)
-            elif kind == "stats":
-                for engine_id, (requests, latency, inter_token) in frame["engines"].items():
+            event = decode(frame)
+        except FrameError as exc:
+            log.error("worker %d sent a malformed frame: %s", w.index, exc)
+            return
+        match event:
+            case LegFailed() | LegSucceeded():
+                self._apply_event(w, event)
+            case Stats(engines=engines, timeline=timeline):
+                for engine_id, (requests, latency, inter_token) in engines.items():
                     self._stats.merge(engine_id, requests, latency, inter_token)
-                self._timeline.merge(*frame["timeline"])
-            elif kind == "seen":
-                w.seen_version = frame["version"]
-            elif kind == "note":
-                self._note(str(frame["event"]), frame["engine"], str(frame["what"]))
-            elif kind == "placed":
-                self._share_placement(w, frame)
-            elif kind == "ready":
+                self._timeline.merge(*timeline)
+            case Seen(version=version):
+                w.seen_version = version
+            case Noted(event=kind, engine=engine_id, what=what):
+                self._note(kind, engine_id, what)
+            case Placed():
+                self._share_placement(w, event)
+            case Ready(pid=pid):
                 if w.ready is not None and not w.ready.done():
-                    w.ready.set_result(frame["pid"])
+                    w.ready.set_result(pid)
                 if w.channel is not None:  # its spawn-time gate may have run out meanwhile
                     w.channel.send("gate", gate=self._gate().to_json())
-        except (KeyError, ValueError, TypeError) as exc:
-            log.error("worker %d sent a malformed %r frame: %s", w.index, frame.get("t"), exc)
 
-    def _share_placement(self, w: WorkerInfo, frame: Frame) -> None:
+    def _share_placement(self, w: WorkerInfo, placed: Placed) -> None:
         """A worker placed a prefill with these block keys: every other worker (and this
         process's index) holds them as speculative too, so one new prefix is not sent to two
         engines by two workers before the engine's events arrive."""
-        model, engine_id, keys = str(frame["model"]), str(frame["engine"]), frame["keys"]
-        if not isinstance(keys, list):
-            raise TypeError("keys must be a list")
         for other in self.workers:
             if other is not w and other.channel is not None:
-                other.channel.send("placed", model=model, engine=engine_id, keys=keys)
+                other.channel.send(
+                    "placed", model=placed.model, engine=placed.engine, keys=placed.keys
+                )
         if self._placed is not None:
-            self._placed(model, engine_id, keys)
+            self._placed(placed.model, placed.engine, placed.keys)
 
-    def _apply_event(self, w: WorkerInfo, frame: Frame) -> None:
-        item = frame["item"]
-        if item[0] == "f":
-            _, engine_id, cls, leg, detail = item
-            self._evidence.failure(engine_id, EngineFailure(FailureClass(cls), detail), leg)
+    def _apply_event(self, w: WorkerInfo, event: LegFailed | LegSucceeded) -> None:
+        if isinstance(event, LegFailed):
+            self._evidence.failure(event.engine, event.failure(), event.leg)
         else:
-            _, engine_id, kind, leg = item
-            self._evidence.success(engine_id, SuccessKind(kind), leg)
+            self._evidence.success(event.engine, event.success, event.leg)
         # After this turn's snapshot went out (it is written at once): a worker that learns
         # its failure was applied knows every other worker has the result in its socket.
         if not w.acks:
             asyncio.get_running_loop().call_soon(self._ack, w)
-        w.acks.append(frame["seq"])
+        w.acks.append(event.seq)
 
     def _ack(self, w: WorkerInfo) -> None:
         if w.acks and w.channel is not None:

@@ -39,6 +39,7 @@ from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
 from narwhal.process.channel import Channel, Frame
+from narwhal.process.events import Noted, Placed, Ready, Seen, Stats
 from narwhal.process.forward import ControlForward
 from narwhal.process.gate import GateData, WorkerGate
 from narwhal.process.h1_server import H1Server, client_limits
@@ -118,14 +119,12 @@ class Worker:
             stats=self.stats,
             timeline=self.timeline,
             pool=self.pool,
-            note=lambda event, engine, what: channel.send(
-                "note", event=event, engine=engine, what=what
-            ),
+            note=lambda event, engine, what: channel.send_event(Noted(event, engine, what)),
             prefix=PrefixPlacement(
                 self.config,
                 self.clock,
-                share=lambda model, engine, keys: channel.send(
-                    "placed", model=model, engine=engine, keys=list(keys)
+                share=lambda model, engine, keys: channel.send_event(
+                    Placed(model, engine, tuple(keys))
                 ),
             ),
         )
@@ -162,7 +161,7 @@ class Worker:
             for engine_id in frame["gone"]:
                 configs.pop(engine_id, None)
             self.gate.data = GateData.from_json(frame["gate"])
-            self.channel.send("seen", version=frame["version"])
+            self.channel.send_event(Seen(frame["version"]))
         elif kind == "gate":
             self.gate.data = GateData.from_json(frame["gate"])
         elif kind == "ack":
@@ -233,14 +232,14 @@ class Worker:
             for e, w in window.engines.items()
         }
         if engines or requests:
-            self.channel.send("stats", engines=engines, timeline=[requests, errors, latency])
+            self.channel.send_event(Stats(engines, (requests, errors, latency)))
 
     async def run(self, host: str, port: int) -> None:
         await self.client.start()
         server = self.build_server()
         try:
             await server.start(host, port, self._tls)
-            self.channel.send("ready", pid=os.getpid())
+            self.channel.send_event(Ready(os.getpid()))
             async with asyncio.TaskGroup() as tg:
                 lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag))
                 stats = tg.create_task(self.ship_stats())

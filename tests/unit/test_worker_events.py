@@ -1,0 +1,61 @@
+"""Workers' typed events: one codec, every event back as it was sent, bad frames refused."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.engine.failures import FailureClass, SuccessKind
+from narwhal.process.events import (
+    FrameError,
+    LegFailed,
+    LegSucceeded,
+    Noted,
+    Placed,
+    Ready,
+    Seen,
+    Stats,
+    WorkerEvent,
+    decode,
+    encode,
+)
+
+EVENTS: list[WorkerEvent] = [
+    LegFailed(3, "d0", "decode", FailureClass.STREAM, "mid-stream silence", None, True),
+    LegFailed(4, "p0", "prefill", FailureClass.OVERLOAD, "HTTP 503", 503, False),
+    LegSucceeded(5, "p0", "prefill", SuccessKind.PREFILL_HANDOFF),
+    Noted("migration", "d1", "stream r-1 continued after 5 tokens"),
+    Noted("migration", None, "no engine"),
+    Placed("m", "p1", (1, 2**64 - 1)),
+    Seen(12),
+    Ready(4242),
+    Stats({"p0": [3, [0.1], [0.01]]}, (3, 0, 0.2)),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_every_event_comes_back_as_it_was_sent(event: WorkerEvent) -> None:
+    kind, fields = encode(event)
+    wire = orjson.loads(orjson.dumps({**fields, "t": kind}))
+    assert decode(wire) == event
+
+
+@pytest.mark.parametrize(
+    ("frame", "says"),
+    [
+        ({"t": "ev", "seq": 1}, "unknown frame kind 'ev'"),
+        ({"seq": 1}, "unknown frame kind None"),
+        ({"t": "failed", "seq": 1, "engine": "d0"}, "failed frame without 'leg'"),
+        (
+            {"t": "failed", "seq": 1, "engine": "d0", "leg": "decode", "failure_class": "nope",
+             "detail": "x", "status": None, "timed_out": False},
+            "failed frame: 'nope' is not a valid FailureClass",
+        ),
+        ({"t": "placed", "model": "m", "engine": "p0", "keys": ["x"]}, "placed frame"),
+    ],
+)  # fmt: skip
+def test_a_frame_that_is_no_whole_event_is_refused_with_the_reason(
+    frame: dict[str, object], says: str
+) -> None:
+    with pytest.raises(FrameError, match="^" + says.replace("(", r"\(")):
+        decode(frame)
