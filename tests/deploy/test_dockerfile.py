@@ -73,7 +73,7 @@ def test_narwhal_serve_takes_the_flag_the_image_passes(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as done:
         serve_main(["--help"])
     assert done.value.code == 0
-    assert "--config CONFIG" in capsys.readouterr().out
+    assert "--config FILE" in capsys.readouterr().out
 
 
 def test_the_install_step_is_deploy_install_sh(dockerfile: Dockerfile) -> None:
