@@ -275,25 +275,23 @@ def test_a_demo_engine_that_cannot_start_is_a_one_line_start_up_failure(
 ) -> None:
     """A demo sim that exits before listening (here: a real narwhal-sim given a port it
     refuses) ends the demo with exit status 1 and one line, and stops the sims it started."""
-    from contextlib import AsyncExitStack
+    import asyncio
 
     from narwhal.cli import demo, serve
 
-    real_start_sim = demo.start_sim
-    started: list[str] = []
+    real_launch = demo._launch
+    launched: list[asyncio.subprocess.Process] = []
 
-    async def second_sim_fails(stack: AsyncExitStack, role: str, extra: list[str]) -> str:
-        bad = ["--port", "70000"] if started else []
-        url = await real_start_sim(stack, role, [*extra, *bad])
-        started.append(url)
-        return url
+    async def second_sim_fails(role: str, *extra: str) -> asyncio.subprocess.Process:
+        bad = ["--port", "70000"] if len(launched) == 1 else []
+        proc = await real_launch(role, *extra, *bad)
+        launched.append(proc)
+        return proc
 
-    monkeypatch.setattr(demo, "start_sim", second_sim_fails)
+    monkeypatch.setattr(demo, "_launch", second_sim_fails)
     assert serve._run(serve._demo("127.0.0.1:0")) == serve.EXIT_START
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["narwhal-serve: start-up failed: demo fleet: narwhal-sim (prefill) exited "
                    "before listening"], err  # fmt: skip
-    (url,) = started
-    port = int(url.rsplit(":", 1)[1])
-    with socket.socket() as s:  # the first sim was stopped with the demo
-        assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert len(launched) == 5
+    assert all(p.returncode is not None for p in launched), "every sim stopped with the demo"

@@ -120,14 +120,14 @@ async def _serve(config: Config, path: Path, resume: bool, standby: bool) -> Non
 
 
 async def _demo(listen: str) -> None:
-    from narwhal.cli.demo import banner, demo_config, start_sim
+    from narwhal.cli.demo import banner, demo_config, start_fleet
     from narwhal.server import Router
 
     async with AsyncExitStack() as stack:
         try:
-            prefill = [await start_sim(stack, "prefill", []) for _ in range(2)]
-            decode = [await start_sim(stack, "decode", []) for _ in range(2)]
-            spare = await start_sim(stack, "decode", [])
+            roles = ["prefill", "prefill", "decode", "decode", "decode"]
+            *engines, spare = await start_fleet(stack, roles)
+            prefill, decode = engines[:2], engines[2:]
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise StartupError(f"demo fleet: {exc or type(exc).__name__}") from None
         config = demo_config(prefill, decode, listen)
