@@ -31,6 +31,7 @@ from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
 from narwhal.control.health import HealthStages
 from narwhal.control.lifecycle import Lifecycle
+from narwhal.control.load_scrape import LoadScraper
 from narwhal.control.membership import Membership, MembershipConflict
 from narwhal.control.monitor import Monitor, Stage
 from narwhal.control.operator import OperatorActions
@@ -53,6 +54,7 @@ from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import fleet_ready_reason
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
+from narwhal.placement.load import EngineLoad
 from narwhal.process.forward import ControlForward
 from narwhal.process.h1_server import H1Server, Handler, LocalConnections, client_limits
 from narwhal.process.routes import ClientSurface, client_routes
@@ -411,6 +413,12 @@ class Router:
         if self.supervisor is not None:
             self.supervisor.reconfigure(config)
 
+    def _publish_loads(self, loads: dict[str, EngineLoad]) -> None:
+        """Scraped engine loads to this process's placement and every worker's."""
+        self.dataplane.prefix.loads = loads
+        if self.supervisor is not None:
+            self.supervisor.send_loads(loads)
+
     def move_streams(self, engine_id: str) -> None:
         """Migrate the streams decoding on `engine_id` now, in every data plane (planned
         maintenance with `migrate`)."""
@@ -615,6 +623,16 @@ class Router:
                 # warm at takeover; with workers it explains decisions for /admin).
                 interval_s = self.config.placement.metrics_interval_s
                 tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))
+                if self.dataplane.prefix.enabled:  # the engines' own load, for the ranking
+                    scraper = LoadScraper(
+                        lambda: self.fleet,
+                        self.client,
+                        self.clock,
+                        interval_s,
+                        self.config.engine.health_timeout_s,
+                        self._publish_loads,
+                    )
+                    tg.create_task(scraper.run())
                 if self.config_path is not None:
                     asyncio.get_running_loop().add_signal_handler(
                         signal.SIGHUP, lambda: tg.create_task(self._reload_on_signal())

@@ -4,6 +4,7 @@ tokenizer in the router and in the engines, through the official `openai` client
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,3 +198,48 @@ async def test_every_worker_follows_a_placement_made_by_another(
     async with aiohttp.ClientSession() as http, http.get(rr.url + "/admin/workers") as r:
         workers = (await r.json())["workers"]
     assert len(workers) == 2
+
+
+@pytest.mark.single_process  # reads the router's own scraped loads
+async def test_an_engine_with_a_queue_of_its_own_is_passed_over(
+    start_router: StartRouter, tokenizer: Path
+) -> None:
+    """The engines' `/metrics` are scraped for placement: p0, whose queue others fill
+    (`vllm:num_requests_waiting`), loses the request that rotation would have given it."""
+    p0 = SimProcess("--role", "prefill", "--kv-role", "kv_producer", "--max-num-seqs", "1",
+                    "--itl-ms", "50")  # fmt: skip
+    p1 = SimProcess("--role", "prefill", "--kv-role", "kv_producer")
+    d0 = SimProcess("--role", "decode", "--kv-role", "kv_consumer")
+    with p0, p1, d0:
+        engines = [
+            {"id": "p0", "url": p0.url, "role": "prefill", "kv_role": "kv_producer"},
+            {"id": "p1", "url": p1.url, "role": "prefill", "kv_role": "kv_producer"},
+            {"id": "d0", "url": d0.url, "role": "decode", "kv_role": "kv_consumer"},
+        ]
+        rr = await start_router(
+            engines, placement={"policy": "prefix", "metrics_interval_s": 0.1,
+                                "metrics_stale_s": 2.0},
+        )  # fmt: skip
+        prefix = rr.router.dataplane.prefix
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": "another client's long job", "max_tokens": 200}
+            others = [
+                asyncio.create_task(http.post(p0.url + "/v1/completions", json=body))
+                for _ in range(3)
+            ]
+            try:
+                await eventually(
+                    lambda: (load := prefix.loads.get("p0")) is not None and load.waiting >= 1,
+                    timeout_s=10, what="p0's own queue scraped",
+                )  # fmt: skip
+                answer = await _complete(rr, "a question nobody asked before")
+                assert answer.choices
+                assert len(p1.requests()) == 1, "placed on the engine without a queue"
+                async with http.post(
+                    rr.url + "/admin/placement", json={"model": MODEL, "prompt": "x"}
+                ) as r:
+                    view = await r.json()
+                assert view["chosen"]["prefill"] == "p1"
+            finally:
+                for task in others:
+                    task.cancel()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from narwhal.fleet.state import Candidate, EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.placement.facade import Placement
 from narwhal.placement.keys import BlockKey
+from narwhal.placement.load import EngineLoad
 from narwhal.placement.score import Load, Ranked, rank
 from narwhal.placement.subscriber import KvEventsEndpoint, subscribe
 from narwhal.placement.tokenizer import PromptTokenizer
@@ -80,6 +81,8 @@ class PrefixPlacement:
         self._placement_config = config.placement
         self._tokenizer = PromptTokenizer.from_config(config.placement) if self.enabled else None
         self._seen: dict[str, tuple[bool, float | None]] = {}  # engine: (out, generation)
+        # Each engine's own load, from its /metrics (control/load_scrape.py); replaced whole.
+        self.loads: Mapping[str, EngineLoad] = {}
         self._endpoints: dict[str, KvEventsEndpoint] = {}
 
     # ------------------------------------------------------------ membership and hygiene
@@ -188,12 +191,20 @@ class PrefixPlacement:
         exclude: Iterable[str] = (),
     ) -> list[Ranked]:
         """The candidates best first, those in `exclude` last."""
-        matched = self.index.match(prompt.model, prompt.keys, self._clock.monotonic())
-        loads = [Load(c.id, c.in_flight) for c in candidates]
+        now = self._clock.monotonic()
+        matched = self.index.match(prompt.model, prompt.keys, now)
+        loads = [self._load(c, now) for c in candidates]
         hits = {engine: m.matched_tokens for engine, m in matched.items()}
         ranked = rank(loads, hits, prompt.tokens, turn, decode=role is Role.DECODE)
         skip = set(exclude)
         return [r for r in ranked if r.id not in skip] + [r for r in ranked if r.id in skip]
+
+    def _load(self, candidate: Candidate, now: float) -> Load:
+        """Narwhal's in-flight legs, plus the engine's own queue and KV usage while fresh."""
+        scraped = self.loads.get(candidate.id)
+        if scraped is None or not scraped.fresh(now, self._placement_config.metrics_stale_s):
+            return Load(candidate.id, candidate.in_flight)
+        return Load(candidate.id, candidate.in_flight, scraped.waiting, scraped.kv_usage)
 
     def explain(self, req: ClientRequest, model: str, fleet: Fleet, now: float) -> dict[str, Any]:
         """`POST /admin/placement`: how this process would place the request now, without
@@ -212,7 +223,7 @@ class PrefixPlacement:
             if prompt is not None:
                 ranked = self.choose(prompt, role, candidates, turn=0)
             else:  # least_loaded: no keys; ranked by load alone
-                loads = [Load(c.id, c.in_flight) for c in candidates]
+                loads = [self._load(c, now) for c in candidates]
                 ranked = rank(loads, {}, 0, 0)
             name = "prefill" if role in (Role.PREFILL, Role.BOTH) else role.value
             view[name] = [

@@ -22,7 +22,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from narwhal.fleet.codec import encode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
+from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import (
     FrameError,
@@ -389,6 +390,13 @@ class Supervisor:
                     w.ready.set_result(pid)
                 if w.channel is not None:  # its spawn-time gate may have run out meanwhile
                     w.channel.send("gate", gate=self._gate().to_json())
+
+    def send_loads(self, loads: Mapping[str, EngineLoad]) -> None:
+        """The engines' scraped loads (placement), to every worker."""
+        wire = {k: [v.waiting, v.running, v.kv_usage, v.at] for k, v in loads.items()}
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.send("loads", loads=wire)
 
     def _share_placement(self, w: WorkerInfo, placed: Placed) -> None:
         """A worker placed a prefill with these block keys: every other worker (and this

@@ -38,6 +38,7 @@ from narwhal.engine.transport import EngineClient
 from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
+from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import Noted, Placed, Ready, Seen, Stats
 from narwhal.process.forward import ControlForward
@@ -176,6 +177,11 @@ class Worker:
                     log.error("reload: keeping the TLS certificate in use: %s", exc)
         elif kind == "placed":  # another worker's placement (cache-aware, DESIGN §11)
             self.dataplane.prefix.placed_elsewhere(frame["model"], frame["engine"], frame["keys"])
+        elif kind == "loads":  # the engines' own load, scraped by the control process
+            self.dataplane.prefix.loads = {
+                engine: EngineLoad(int(w), int(r), float(kv), float(at))
+                for engine, (w, r, kv, at) in frame["loads"].items()
+            }
         elif kind == "move":
             self.dataplane.move_streams(frame["engine"])
         elif kind == "drain":
