@@ -55,8 +55,6 @@ class Interrupted(Exception):
         self.engine_id = engine_id  # the engine the stream left
 
 
-Retryable = EngineFailure | Saturated | Moved
-"""An attempt that failed before the client saw a byte and that another engine may serve."""
 Settling = ClientError | NoCapacity | DeadlineExceeded
 """An attempt's outcome that ends the request whatever the policy."""
 
