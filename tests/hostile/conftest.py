@@ -105,7 +105,7 @@ def hostile_sims() -> Iterator[tuple[SimProcess, SimProcess, SimProcess, SimProc
     factory = SimFactory()
     try:
         legit = ["--itl-ms", "0"]
-        tap = ["--itl-ms", "0", "--model", "tap-model"]
+        tap = ["--itl-ms", "0", "--model", "tap-model", "--max-model-len", "100000"]
         p0, d0, p1, d1 = factory.start_many(
             [["--role", "prefill", "--kv-role", "kv_producer", *legit],
              ["--role", "decode", "--kv-role", "kv_consumer", *legit],

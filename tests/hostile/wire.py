@@ -84,34 +84,41 @@ async def exchange(
     if isinstance(chunks, bytes):
         chunks = [chunks]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    data = b""
-    closed = False
+    received = bytearray()
+
+    async def read() -> bool:
+        """Until the close (True), or `enough` answers (False: the connection stays)."""
+        with contextlib.suppress(ConnectionError):
+            while piece := await reader.read(65536):
+                received.extend(piece)
+                if enough is not None and _finals(bytes(received)) >= enough:
+                    return False
+        return True
+
+    reading = asyncio.create_task(read())
     try:
         for i, chunk in enumerate(chunks):
             if i and pause_s:
                 await asyncio.sleep(pause_s)  # the client's pacing, not a wait for state
-            with contextlib.suppress(ConnectionError):
+            if reading.done():
+                break  # the router closed: the client stops sending
+            try:
                 writer.write(chunk)
                 await writer.drain()
-        if half_close:
+            except ConnectionError:
+                break
+        if half_close and not reading.done():
             with contextlib.suppress(ConnectionError, OSError):
                 writer.write_eof()
         try:
             async with asyncio.timeout(wait_s):
-                while piece := await reader.read(65536):
-                    data += piece
-                    if enough is not None and _finals(data) >= enough:
-                        return data, False
-            closed = True
-        except ConnectionResetError:
-            closed = True
+                closed = await reading
         except TimeoutError:
             closed = False
     finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    return data, closed
+        reading.cancel()
+        writer.transport.abort()
+    return bytes(received), closed
 
 
 def _finals(data: bytes) -> int:
