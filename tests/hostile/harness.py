@@ -166,6 +166,7 @@ class Flow:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            cwd=Path(__file__).resolve().parents[2],  # the checkout: `tests` is importable
         )
 
     def records(self) -> list[dict[str, Any]]:
