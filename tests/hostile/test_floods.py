@@ -159,13 +159,6 @@ async def test_a_pipelining_flood_is_answered_once_each_in_order(hostile: Hostil
     assert [e["body"]["prompt"] for e in decode] == prompts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an unread pipelining flood is parsed and queued whole: each answer resumes "
-    "reading though the queue is past its bound, and one read's requests are all queued "
-    "(100,000 requests, 3.4 MB, grow the router by about 130 MiB; 1,000,000 grew one "
-    "process by 720 MiB)",
-)
 async def test_a_pipelining_flood_never_read_stays_bounded(hostile: Hostile) -> None:
     """Handled up to what the client takes: 100,000 pipelined requests (3.4 MB) on a socket
     never read. A router that stops reading once its answers are not taken holds 16 queued

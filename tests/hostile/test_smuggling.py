@@ -23,17 +23,9 @@ from tests.hostile.conftest import Hostile
 from tests.hostile.wire import answers, exchange
 
 HEAD = b"Host: x\r\nAuthorization: Bearer sk-hostile\r\nContent-Type: application/json\r\n"
-# A parser error after the head leaves the running handler waiting for a body that never
-# comes, with no timer (see HANG): the 400 would be immediate, so this is generous.
+# A parser error after the head is told to the handler waiting for the body, which answers
+# 400 at once: this wait is generous.
 REFUSAL_WAIT_S = 3.0
-HANG = (
-    "a parse error after the head (in the body's framing) is not told to the handler, which "
-    "waits for its body forever; the connection gets no answer and no timer closes it"
-)
-TRAILERS = (
-    "trailer fields are merged into the request's headers: a trailer X-Request-Id and "
-    "traceparent reach the engine (RFC 9110 6.5.1: not to be merged)"
-)
 
 
 def body(prompt: str) -> bytes:
@@ -102,12 +94,11 @@ CASES: dict[str, Case] = {
         lambda f, s: with_length(f + smug(s), b"Transfer-Encoding: identity\r\n"), 400
     ),
     "transfer-encoding-gzip-alone": Case(
-        lambda f, s: request(b"Transfer-Encoding: gzip\r\n", f + smug(s)), 400, xfail=HANG
+        lambda f, s: request(b"Transfer-Encoding: gzip\r\n", f + smug(s)), 400
     ),
     "transfer-encoding-unknown": Case(
         lambda f, s: request(b"Transfer-Encoding: xchunked\r\n", chunked(f) + smug(s)),
         400,
-        xfail=HANG,
     ),
     "transfer-encoding-gzip-then-chunked": Case(
         # Framed by chunked (the last coding); the gzip label is ignored, the bytes passed on.
@@ -131,13 +122,10 @@ CASES: dict[str, Case] = {
     "one-bare-lf": Case(lambda f, s: with_length(f, b"X-A: b\nX-B: c\r\n"), 400),
     "nul-in-a-header-value": Case(lambda f, s: with_length(f, b"X-A: a\x00b\r\n"), 400),
     "cr-in-a-header-value": Case(lambda f, s: with_length(f, b"X-A: a\rb\r\n"), 400),
-    "chunk-size-overflow": Case(
-        lambda f, s: request(TE, b"f" * 20 + b"\r\n" + f + smug(s)), 400, xfail=HANG
-    ),
+    "chunk-size-overflow": Case(lambda f, s: request(TE, b"f" * 20 + b"\r\n" + f + smug(s)), 400),
     "negative-chunk-size": Case(
         lambda f, s: request(TE, b"-%x\r\n%s\r\n0\r\n\r\n" % (len(f), f) + smug(s)),
         400,
-        xfail=HANG,
     ),
     "chunk-size-past-max-body-bytes": Case(
         lambda f, s: request(TE, b"20000\r\n" + b"x" * 0x11000), 413
@@ -145,9 +133,7 @@ CASES: dict[str, Case] = {
     "chunk-extensions": Case(
         lambda f, s: request(TE, chunked(f, b';name=value;q="a b"')), served=("first",)
     ),
-    "a-bad-chunk-extension": Case(
-        lambda f, s: request(TE, chunked(f, b";a\rb") + smug(s)), 400, xfail=HANG
-    ),
+    "a-bad-chunk-extension": Case(lambda f, s: request(TE, chunked(f, b";a\rb") + smug(s)), 400),
     "trailers": Case(
         lambda f, s: request(
             TE,
@@ -158,12 +144,10 @@ CASES: dict[str, Case] = {
             ),
         ),
         served=("first",),
-        xfail=TRAILERS,
     ),
     "content-length-as-a-trailer": Case(
         lambda f, s: request(TE, chunked(f, trailer=b"Content-Length: 80\r\n") + smug(s)),
         400,
-        xfail=HANG,
     ),
     "absolute-form-target": Case(
         lambda f, s: with_length(f, target=b"http://evil.example/v1/completions"),

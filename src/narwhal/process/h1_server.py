@@ -293,6 +293,7 @@ class ServerConnection(asyncio.Protocol):
         self._admitted = False
         self._url = b""
         self._parsing: ServerRequest | None = None
+        self._in_trailers = False  # the current message's head is done: headers now are trailers
         self._queue: deque[ServerRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._writable: asyncio.Future[None] | None = None
@@ -347,22 +348,25 @@ class ServerConnection(asyncio.Protocol):
             else:
                 self._schedule()
             return  # dropped, unparsed
+        # A refusal while a request's body is being read is that request's: its handler,
+        # waiting for the body, is told (and answers), or it would wait forever.
         try:
             self._parser.feed_data(data)
             refusal = state.parsed(now)
             if refusal is not None:
-                self._refused(refusal)
+                self._refused(refusal, self._parsing)
         except httptools.HttpParserUpgrade:
             self._refused(
-                state.refuse(400, "malformed", "protocol upgrades are not supported", now)
+                state.refuse(400, "malformed", "protocol upgrades are not supported", now),
+                self._parsing,
             )
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, _Refused):
-                self._refused(cause.refusal)
+                self._refused(cause.refusal, self._parsing)
             elif not isinstance(cause, _Stop):
                 message = f"malformed HTTP request: {exc}"
-                self._refused(state.refuse(400, "malformed", message, now))
+                self._refused(state.refuse(400, "malformed", message, now), self._parsing)
         self._schedule()
 
     def pause_writing(self) -> None:
@@ -379,6 +383,7 @@ class ServerConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         self._url = b""
+        self._in_trailers = False
         self.state.begin(self.loop.time())
 
     def on_url(self, url: bytes) -> None:
@@ -387,6 +392,8 @@ class ServerConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)
+        if self._in_trailers:
+            return  # trailer fields are never merged into the head (RFC 9110 §6.5.1)
         if self._parsing is None:
             self._parsing = self._new_request()
         key = name.decode("latin-1").lower()
@@ -404,6 +411,7 @@ class ServerConnection(asyncio.Protocol):
         refusal = self.state.head(request.content_length, expects, self.loop.time())
         if refusal is not None:
             raise _Refused(refusal)  # stops the parser: nothing more of it is read
+        self._in_trailers = True
         self._queue.append(request)
         if len(self._queue) > _MAX_QUEUED:
             self.pause_reading("queue")
@@ -421,6 +429,7 @@ class ServerConnection(asyncio.Protocol):
             request._feed(body)
 
     def on_message_complete(self) -> None:
+        self._in_trailers = False
         if self._parsing is not None:
             self._parsing._complete()
         self._parsing = None
@@ -483,7 +492,8 @@ class ServerConnection(asyncio.Protocol):
             self._task = None
         if self._queue and self._queue[0] is request:
             self._queue.popleft()
-            self.resume_reading("queue")
+            if len(self._queue) <= _MAX_QUEUED:  # a flood past the bound stays paused
+                self.resume_reading("queue")
         self.resume_reading("body")  # a body left unread no longer holds the connection
         if self.lost:
             return
