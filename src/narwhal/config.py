@@ -555,6 +555,8 @@ class PlacementConfig(_Section):
     kv_events_replay_port: int | None = Field(default=None, ge=1, le=65535)
     metrics_interval_s: PositiveFloat = 1.0
     metrics_stale_s: PositiveFloat = 5.0
+    # The engines' KV block size (vLLM's `--block-size`), the unit of Narwhal's block keys.
+    block_size_tokens: PositiveInt = 16
 
     @model_validator(mode="after")
     def _staleness(self) -> Self:

@@ -35,7 +35,6 @@ from narwhal.placement.tokenizer import PromptTokenizer
 
 log = logging.getLogger("narwhal.placement")
 
-BLOCK_SIZE_TOKENS = 16  # vLLM's default `--block-size`: every engine of a model shares one
 DEFAULT_CAPACITY_TOKENS = 1 << 20  # an engine's cache for the approximate index, when unknown
 _OUT_HOLDS = frozenset({HoldName.OPERATOR_DRAIN, HoldName.PLANNED_MAINTENANCE})
 
@@ -105,7 +104,7 @@ class PrefixPlacement:
                 self.index.set_engine(
                     engine.id,
                     model=config.model or "",
-                    block_size_tokens=BLOCK_SIZE_TOKENS,
+                    block_size_tokens=self._placement_config.block_size_tokens,
                     capacity_tokens=config.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS,
                     has_events=endpoint is not None,
                     has_replay=endpoint is not None and endpoint.replay_endpoint is not None,
@@ -247,7 +246,7 @@ class PrefixPlacement:
         """Another process placed a prefill (its `share`)."""
         now = self._clock.monotonic()
         # Its events are this process's to expect only if it expected new blocks: not known here.
-        covered = len(keys) * BLOCK_SIZE_TOKENS
+        covered = len(keys) * self._placement_config.block_size_tokens
         self.index.note_placed(model, engine_id, keys, now, matched_tokens=covered)
 
 
