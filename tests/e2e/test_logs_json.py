@@ -197,16 +197,24 @@ def handoff_stage_error(lines: list[str]) -> bool:
 
 
 def test_a_stage_error_is_one_json_event_with_stage_and_exception(tmp_path: Path) -> None:
-    # The handoff path is a directory: every handoff write fails, a `handoff` stage error.
+    # Once the router listens, its handoff path becomes a directory: every handoff write then
+    # fails, a `handoff` stage error. (A directory there from the start is refused at start.)
     blocked = tmp_path / "state" / "handoff.json"
-    blocked.mkdir(parents=True)
+    blocked.parent.mkdir(parents=True)
     config = write_config(
         tmp_path,
         handoff={"path": str(blocked)},
         lease={"backend": "none"},
         recovery={"liveness_misses": 1000, "eject_after": 1000},
     )
-    code, lines = run_router(config, handoff_stage_error, tmp_path)
+
+    def block_then_wait(lines: list[str]) -> bool:
+        if not blocked.is_dir() and any("listening on" in line for line in lines):
+            blocked.unlink(missing_ok=True)
+            blocked.mkdir()
+        return handoff_stage_error(lines)
+
+    code, lines = run_router(config, block_then_wait, tmp_path)
     assert code == 0
     errors = [e for e in parse(lines) if e.get("stage") is not None]
     assert errors, lines

@@ -36,7 +36,7 @@ from narwhal.clock import SystemClock
 from narwhal.sim.bench import run_bench
 from narwhal.sim.config import KvRole, LoadFailurePolicy, Role, SimConfig
 from narwhal.sim.faults import FaultSpec
-from narwhal.sim.fleet import FLEET_SETS, check_layout, run_fleet
+from narwhal.sim.fleet import FLEET_SETS, check_layout, ignore_stop_signals, run_fleet
 from narwhal.sim.kv_events import BlockHashFormat, EventEncoding
 from narwhal.sim.server import SimServer
 
@@ -178,7 +178,10 @@ async def _until_signalled(server: SimServer, started: Callable[[str], None]) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.run(started, stop)
+    try:
+        await server.run(started, stop)
+    finally:
+        ignore_stop_signals(loop)
 
 
 def startup_oserror(exc: BaseException) -> OSError | None:

@@ -173,7 +173,17 @@ async def run_fleet(
         try:
             await stop.wait()
         finally:
+            ignore_stop_signals(loop)
             for w in watchers:
                 w.cancel()
             await _stop(procs)
     return 0
+
+
+def ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Stopping: a further SIGINT or SIGTERM (a second Ctrl-C, the group's) is ignored. While
+    asyncio's handler stays installed, one arriving as the loop closes is written to the
+    loop's closed wakeup pipe ('Exception ignored ... Bad file descriptor' on stderr)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
