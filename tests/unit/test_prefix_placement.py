@@ -3,7 +3,10 @@ index's hygiene as the fleet changes (an engine out of service or restarted hold
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
+
+import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import Role, parse_config
@@ -108,3 +111,11 @@ def test_discovered_engines_publish_on_the_configured_ports_of_their_host() -> N
     assert endpoint is not None
     assert endpoint.endpoint == "tcp://10.0.0.2:5557"
     assert endpoint.replay_endpoint is None
+
+
+def test_a_model_without_a_tokenizer_is_named_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="narwhal.placement"):
+        PrefixPlacement(CONFIG, FakeClock())
+    assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == [
+        "model m has no placement.tokenizers entry"
+    ]

@@ -79,6 +79,15 @@ class PrefixPlacement:
         self._share = share
         self._placement_config = config.placement
         self._tokenizer = PromptTokenizer.from_config(config.placement) if self.enabled else None
+        if self._tokenizer is not None:
+            models = {config.model} | {e.model for e in config.engines if e.model is not None}
+            for model in sorted(models - set(config.placement.tokenizers)):
+                log.warning(
+                    "placement: model %s has no placement.tokenizers entry: placed by text "
+                    "blocks over Narwhal's own placements (its engines' KV events cannot be "
+                    "keyed)",
+                    model,
+                )
         self._seen: dict[str, tuple[bool, float | None]] = {}  # engine: (out, generation)
         # Each engine's own load, from its /metrics (control/load_scrape.py); replaced whole.
         self.loads: Mapping[str, EngineLoad] = {}
