@@ -869,6 +869,38 @@ async def test_a_whole_body_left_unread_does_not_stall_the_connection() -> None:
         assert rest == b"" or rest.startswith(b"HTTP/1.1 200 OK\r\n")
 
 
+async def test_a_body_refused_while_its_handler_is_busy_still_gets_its_413() -> None:
+    """A chunked body passes `max_body_bytes` while its handler is busy elsewhere (the
+    worker's forward to the control process, under load): what the client sends meanwhile,
+    however much, does not use up the drop allowance before the handler answers; reading
+    stops instead, and the client gets its 413 when the handler does answer."""
+    release = asyncio.Event()
+
+    async def busy(request: ServerRequest) -> None:
+        await release.wait()
+        await request.read()  # raises: the body was refused
+
+    limit = 64 * 1024
+    piece = b"x" * 4096
+    chunked = b"%x\r\n%s\r\n" % (len(piece), piece)
+    routes = {"/upload": {"POST": busy}}
+    async with serving(routes, limits=Limits(max_body_bytes=limit)) as (server, port):
+        async with connect(port) as client:
+            client.send(get("/upload", "Transfer-Encoding: chunked", method="POST") + chunked * 20)
+            await eventually(lambda: len(server.connections) == 1, timeout_s=WAIT_S, what="in")
+            [connection] = server.connections
+            state = connection.state
+            await eventually(lambda: state.discarding, timeout_s=WAIT_S, what="the refusal")
+            client.send(chunked * 25)  # 100 KiB more: past the drop allowance
+            await eventually(
+                lambda: state.closed or state.paused, timeout_s=WAIT_S, what="the rest read"
+            )
+            release.set()
+            reply = await client.reply()
+    assert reply.status == 413
+    assert orjson.loads(reply.body)["error"]["message"] == f"request body exceeds {limit} bytes"
+
+
 async def test_a_pipelining_client_that_does_not_read_stops_the_server_serving_it() -> None:
     """64 pipelined requests for 1 MiB answers, none read: once the client's socket and the
     server's buffer are full, the server stops starting handlers and reading (its memory for

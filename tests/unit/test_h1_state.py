@@ -285,11 +285,27 @@ CASES = [
     ),
     Case(
         "a refused body's handler answered: the linger goes on, then the close",
-        [*request(1.0), body(1001, 2.0), answered(False, True, 2.5), expire(4.0)],
+        [*request(1.0), body(1001, 2.0), answered(False, True, 2.5), expire(4.5)],
         In.CLOSED,
         Out.CLOSED,
         None,
         None,
+    ),
+    Case(
+        "a refused body's handler still answering: what arrives is not held against it",
+        [*request(1.0), body(1001, 2.0), data(5000, 2.1), lambda c: c.answer_pending],
+        In.DISCARD,
+        Out.HANDLER,
+        True,  # the shell stops reading until the answer is out
+        None,
+    ),
+    Case(
+        "the linger after a refusal starts with its answer, however late",
+        [*request(1.0), body(1001, 2.0), data(5000, 8.0), answered(False, True, 9.0)],
+        In.DISCARD,
+        Out.IDLE,
+        After.DISCARD,
+        11.0,
     ),
     Case(
         "pipelined: the next head may arrive while a handler runs; its clock runs",

@@ -345,6 +345,8 @@ class ServerConnection(asyncio.Protocol):
         if state.closing:
             if state.closed:
                 self.close()
+            elif state.answer_pending:
+                self.pause_reading("refused")  # until the refusal's answer is out
             else:
                 self._schedule()
             return  # dropped, unparsed
@@ -495,6 +497,7 @@ class ServerConnection(asyncio.Protocol):
             if len(self._queue) <= _MAX_QUEUED:  # a flood past the bound stays paused
                 self.resume_reading("queue")
         self.resume_reading("body")  # a body left unread no longer holds the connection
+        self.resume_reading("refused")
         if self.lost:
             return
         if not request.finished:

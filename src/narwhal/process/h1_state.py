@@ -177,6 +177,12 @@ class Connection:
         return self.inbound is In.DISCARD
 
     @property
+    def answer_pending(self) -> bool:
+        """Refused while its handler runs: nothing more is read until it has answered (the
+        rest of the body, dropped meanwhile, would use up the linger before the answer)."""
+        return self.inbound is In.DISCARD and self.outbound in (Out.HANDLER, Out.STREAMING)
+
+    @property
     def closing(self) -> bool:
         """No further request will be read on this connection."""
         return self.inbound is In.DISCARD or self.inbound is In.CLOSED
@@ -191,7 +197,7 @@ class Connection:
         if self.inbound is In.HEAD:
             self._head_raw += size
             self._heard = True
-        elif self.inbound is In.DISCARD:
+        elif self.inbound is In.DISCARD and not self.answer_pending:
             self._discarded += size
             if self._discarded > self.limits.max_body_bytes:
                 self.close()
@@ -283,6 +289,8 @@ class Connection:
         if self.closed:
             return After.CLOSE
         if self.inbound is In.DISCARD:  # refused while the handler ran: it answered that
+            self._since = now  # the linger starts with the answer
+            self._discarded = 0
             return After.DISCARD
         if complete:
             if not keep_alive:
