@@ -101,9 +101,9 @@ CASES: dict[str, Case] = {
         400,
     ),
     "transfer-encoding-gzip-then-chunked": Case(
-        # Framed by chunked (the last coding); the gzip label is ignored, the bytes passed on.
+        # No coding but chunked is decoded: the handler would get gzip bytes (RFC 9112 §6.1).
         lambda f, s: request(b"Transfer-Encoding: gzip, chunked\r\n", chunked(f) + smug(s)),
-        served=("first", "smuggled-as-next-request"),
+        400,
     ),
     "transfer-encoding-upper-case": Case(
         lambda f, s: request(b"Transfer-Encoding: CHUNKED\r\n", chunked(f)), served=("first",)
@@ -153,11 +153,17 @@ CASES: dict[str, Case] = {
         lambda f, s: with_length(f, target=b"http://evil.example/v1/completions"),
         served=("first",),
     ),
+    # RFC 9112 §3.2: an HTTP/1.1 request without a Host, or with two, is a 400.
     "no-host": Case(
-        lambda f, s: with_length(f, head=b"Authorization: Bearer sk-hostile\r\n"),
+        lambda f, s: with_length(f, head=b"Authorization: Bearer sk-hostile\r\n"), 400
+    ),
+    "two-hosts": Case(lambda f, s: with_length(f, b"Host: y\r\n"), 400),
+    "no-host-in-http-1.0": Case(
+        lambda f, s: with_length(
+            f, head=b"Authorization: Bearer sk-hostile\r\n", version=b"HTTP/1.0"
+        ),
         served=("first",),
     ),
-    "two-hosts": Case(lambda f, s: with_length(f, b"Host: y\r\n"), served=("first",)),
     "http-1.0-keep-alive": Case(
         lambda f, s: (
             with_length(f, b"Connection: keep-alive\r\n", version=b"HTTP/1.0")

@@ -401,11 +401,17 @@ class ServerConnection(asyncio.Protocol):
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         headers = self._parsing.headers
+        if key == "host" and key in headers:
+            message = "more than one Host header"
+            raise _Refused(self.state.refuse(400, "malformed", message, self.loop.time()))
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
 
     def on_headers_complete(self) -> None:
         request = self._parsing or self._new_request()
         self._parsing = request
+        refusal = _framing_refusal(request.headers, self._parser.get_http_version())
+        if refusal is not None:
+            raise _Refused(self.state.refuse(400, "malformed", refusal, self.loop.time()))
         request.keep_alive = self._parser.should_keep_alive()
         length = request.headers.get("content-length")
         request.content_length = int(length) if length and length.isdigit() else None
@@ -627,6 +633,19 @@ class ServerConnection(asyncio.Protocol):
             self.state.close()
         if self.transport is not None and not self.lost:
             self.transport.abort()
+
+
+def _framing_refusal(headers: Mapping[str, str], version: str) -> str | None:
+    """What the parser lets through that RFC 9112 refuses: an HTTP/1.1 request without a
+    Host (§3.2; more than one is refused as it arrives), and a transfer coding other than
+    `chunked` alone (the parser frames `gzip, chunked` by its last coding and would hand
+    the handler gzip bytes; no coding but chunked is decoded here)."""
+    if version != "1.0" and "host" not in headers:
+        return "missing Host header"
+    coding = headers.get("transfer-encoding")
+    if coding is not None and coding.strip().lower() != "chunked":
+        return f"unsupported transfer coding: {coding}"
+    return None
 
 
 _DROPPED = Refusal(400, "dropped", "the rest of the body was dropped after the answer")
