@@ -884,19 +884,19 @@ async def test_a_body_refused_while_its_handler_is_busy_still_gets_its_413() -> 
     piece = b"x" * 4096
     chunked = b"%x\r\n%s\r\n" % (len(piece), piece)
     routes = {"/upload": {"POST": busy}}
-    async with serving(routes, limits=Limits(max_body_bytes=limit)) as (server, port):
-        async with connect(port) as client:
-            client.send(get("/upload", "Transfer-Encoding: chunked", method="POST") + chunked * 20)
-            await eventually(lambda: len(server.connections) == 1, timeout_s=WAIT_S, what="in")
-            [connection] = server.connections
-            state = connection.state
-            await eventually(lambda: state.discarding, timeout_s=WAIT_S, what="the refusal")
-            client.send(chunked * 25)  # 100 KiB more: past the drop allowance
-            await eventually(
-                lambda: state.closed or state.paused, timeout_s=WAIT_S, what="the rest read"
-            )
-            release.set()
-            reply = await client.reply()
+    limits = Limits(max_body_bytes=limit)
+    async with serving(routes, limits=limits) as (server, port), connect(port) as client:
+        client.send(get("/upload", "Transfer-Encoding: chunked", method="POST") + chunked * 20)
+        await eventually(lambda: len(server.connections) == 1, timeout_s=WAIT_S, what="in")
+        [connection] = server.connections
+        state = connection.state
+        await eventually(lambda: state.discarding, timeout_s=WAIT_S, what="the refusal")
+        client.send(chunked * 25)  # 100 KiB more: past the drop allowance
+        await eventually(
+            lambda: state.closed or state.paused, timeout_s=WAIT_S, what="the rest read"
+        )
+        release.set()
+        reply = await client.reply()
     assert reply.status == 413
     assert orjson.loads(reply.body)["error"]["message"] == f"request body exceeds {limit} bytes"
 

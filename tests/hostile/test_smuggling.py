@@ -154,9 +154,7 @@ CASES: dict[str, Case] = {
         served=("first",),
     ),
     # RFC 9112 §3.2: an HTTP/1.1 request without a Host, or with two, is a 400.
-    "no-host": Case(
-        lambda f, s: with_length(f, head=b"Authorization: Bearer sk-hostile\r\n"), 400
-    ),
+    "no-host": Case(lambda f, s: with_length(f, head=b"Authorization: Bearer sk-hostile\r\n"), 400),
     "two-hosts": Case(lambda f, s: with_length(f, b"Host: y\r\n"), 400),
     "no-host-in-http-1.0": Case(
         lambda f, s: with_length(
