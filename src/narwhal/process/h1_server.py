@@ -409,9 +409,9 @@ class ServerConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         request = self._parsing or self._new_request()
         self._parsing = request
-        refusal = _framing_refusal(request.headers, self._parser.get_http_version())
-        if refusal is not None:
-            raise _Refused(self.state.refuse(400, "malformed", refusal, self.loop.time()))
+        bad = _framing_refusal(request.headers, self._parser.get_http_version())
+        if bad is not None:
+            raise _Refused(self.state.refuse(400, "malformed", bad, self.loop.time()))
         request.keep_alive = self._parser.should_keep_alive()
         length = request.headers.get("content-length")
         request.content_length = int(length) if length and length.isdigit() else None
