@@ -22,7 +22,7 @@ from tokenizers.processors import TemplateProcessing
 from tests.support.poll import eventually
 from tests.support.sim_process import SimFactory, SimProcess
 
-from .helpers import complete, decode_body, prefill_body
+from .helpers import complete, decode_body, post, prefill_body
 from .test_cli import sim_cli, start_up_failure
 
 BLOCK = 4
@@ -343,3 +343,26 @@ def test_a_busy_event_port_is_a_start_up_failure() -> None:
         args = ["--port", "0", "--kv-blocks", "300", "--kv-events-port", str(port)]
         lines = start_up_failure(sim_cli("serve", *args))
     assert len(lines) == 1 and "KV events: cannot bind" in lines[0] and str(port) in lines[0]
+
+
+def test_cache_match_tells_the_true_cached_prefix_and_changes_nothing(
+    sim_factory: SimFactory,
+) -> None:
+    """`POST /sim/cache/match` (the benchmark's oracle): the tokens a completion or chat
+    body would find cached now; asking changes neither the cache nor its counters; a sim
+    without a cache says so with a 400."""
+    sim = events_sim(sim_factory)
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    assert sim.post_json("/sim/cache/match", body) == {"prompt_tokens": 10, "cached_tokens": 0}
+    complete(sim, body)
+    queries = sim.metric("vllm:prefix_cache_queries_total")
+    assert sim.post_json("/sim/cache/match", body) == {"prompt_tokens": 10, "cached_tokens": 8}
+    assert sim.post_json("/sim/cache/match", {"prompt": "w0 w1 w2 w3 w9"})["cached_tokens"] == 4
+    chat = {"messages": [{"role": "user", "content": PROMPT}]}
+    assert sim.post_json("/sim/cache/match", chat)["cached_tokens"] == 0
+    assert sim.metric("vllm:prefix_cache_queries_total") == queries
+    status, answer = post(sim, "/sim/cache/match", {"prompt": PROMPT, "model": "nope"})
+    assert status == 404, answer
+    plain = sim_factory("--itl-ms", "0")
+    status, answer = post(plain, "/sim/cache/match", body)
+    assert status == 400 and "without a prefix cache" in answer["error"]["message"]

@@ -57,6 +57,19 @@ def test_a_repeated_prompt_hits_its_full_blocks_but_always_computes_its_last_tok
     assert (c.queried_tokens, c.hit_tokens) == (28, 12)
 
 
+def test_match_says_what_a_request_would_hit_and_changes_nothing() -> None:
+    c = cache()
+    assert c.match(list(range(10))) == 0
+    c.release(run(c, list(range(10))))
+    before = (c.queried_tokens, c.hit_tokens, c.usage())
+    assert c.match(list(range(10))) == 8
+    assert c.match(list(range(8))) == 4  # the last token is always computed
+    assert c.match([0, 1, 2, 3, 99, 5, 6, 7, 8]) == 4
+    assert c.match(list(range(10)), BlockExtras(lora_name="x")) == 0
+    assert (c.queried_tokens, c.hit_tokens, c.usage()) == before
+    assert c.match(list(range(10))) == run(c, list(range(10))).hit_tokens
+
+
 def test_store_emits_the_new_blocks_with_their_tokens_and_parent() -> None:
     c = cache()
     got = c.allocate(list(range(10)))

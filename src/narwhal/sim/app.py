@@ -83,6 +83,7 @@ class SimApp:
         r.add_get("/version", self.version)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/sim/kv_events", self.kv_events)
+        r.add_post("/sim/cache/match", self.cache_match)
         r.add_get("/sim/requests", self.list_requests)
         r.add_delete("/sim/requests", self.clear_requests)
         r.add_get("/sim/faults", self.list_faults)
@@ -336,6 +337,24 @@ class SimApp:
         return json_response({"version": version(), "engine": "narwhal-sim"})
 
     # --- /sim: introspection and faults -----------------------------------------------------
+
+    async def cache_match(self, request: web.Request) -> web.Response:
+        """The engine's true cache for a completion or chat body (`messages`), unchanged:
+        `{"prompt_tokens", "cached_tokens"}`. The benchmark's oracle router places by it."""
+        try:
+            doc = await _json(request)
+            body: ChatBody | CompletionBody
+            if isinstance(doc, dict) and "messages" in doc:
+                body = parse(ChatBody, doc)
+            else:
+                body = parse(CompletionBody, doc)
+            self._check_model(body.model)
+            matched = self._engine.cached_prefix(body)
+        except RequestError as err:
+            return error_response(err)
+        if matched is None:
+            return error_response(RequestError(400, "narwhal-sim runs without a prefix cache"))
+        return json_response({"prompt_tokens": matched[0], "cached_tokens": matched[1]})
 
     async def list_requests(self, request: web.Request) -> web.Response:
         return json_response(self._log.entries())

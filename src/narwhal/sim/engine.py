@@ -120,6 +120,14 @@ class SimEngine:
             self._cache.clear()
         self.start_time = max(self._clock.wall(), self.start_time + 1.0)
 
+    def cached_prefix(self, body: CompletionBody | ChatBody) -> tuple[int, int] | None:
+        """(prompt tokens, of which cached now) for a request's prompt; None without a cache.
+        Changes nothing: the benchmark's oracle asks every engine before placing."""
+        if self._cache is None:
+            return None
+        prompt = body.prompt_ids(self.tokenizer)
+        return len(prompt), self._cache.match(prompt, self._extras(body))
+
     def reset_prefix_cache(self) -> bool:
         """vLLM's `/reset_prefix_cache`: drop every cached block; False without a cache."""
         if self._cache is None:

@@ -110,10 +110,7 @@ class PrefixCache:
         keys = self.block_keys(token_ids, extras)
         size = self.block_size
         total = -(-len(token_ids) // size)
-        limit = min(len(keys), max(0, (len(token_ids) - 1) // size))
-        hit = 0
-        while hit < limit and keys[hit] in self._blocks:
-            hit += 1
+        hit = self._hit_blocks(keys, len(token_ids))
         needed = total - hit
         idle_hits = sum(1 for k in keys[:hit] if self._blocks[k].refs == 0)
         if needed > self._free() + len(self._evictable) - idle_hits:
@@ -130,6 +127,19 @@ class PrefixCache:
         self.queried_tokens += len(token_ids)
         self.hit_tokens += alloc.hit_tokens
         return alloc, events
+
+    def match(self, token_ids: Sequence[int], extras: BlockExtras = BlockExtras()) -> int:
+        """The tokens a request for this prompt would find cached now (nothing referenced or
+        counted): what the benchmark's oracle places by."""
+        keys = self.block_keys(token_ids, extras)
+        return self._hit_blocks(keys, len(token_ids)) * self.block_size
+
+    def _hit_blocks(self, keys: list[bytes], prompt_tokens: int) -> int:
+        limit = min(len(keys), max(0, (prompt_tokens - 1) // self.block_size))
+        hit = 0
+        while hit < limit and keys[hit] in self._blocks:
+            hit += 1
+        return hit
 
     def store(self, alloc: Allocation) -> list[KvEvent]:
         """The request's computed full blocks enter the cache (one `BlockStored` per run of
