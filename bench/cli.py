@@ -29,6 +29,7 @@ from bench.loadgen.driver import LoadGen
 from bench.modes import MODES
 from bench.report.render import render
 from bench.suites import (
+    cache,
     control,
     faults,
     floor_ab,
@@ -53,6 +54,7 @@ SUITES: dict[str, Suite] = {
     "soak": soak.run,
     "floor_ab": floor_ab.run,
     "router_bound": router_bound.run,
+    "cache": cache.run,
 }
 
 

@@ -1,4 +1,4 @@
-"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~28 min) and
+"""Run sizes: `quick` (a smoke test, under a minute), `full` (docs/benchmarks.md, ~45 min) and
 `soak` (the chaos soak alone: 3 minutes per router, Narwhal then each peer)."""
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ class Mode:
     # `narwhal-wauto`, for "edge ÷ plain" in the same run; () turns them off (`--edge-twins`
     # replaces the list). Both, json and stream, c=64 and c=256: 2 x 4 x 3 rounds, ~2 min
     router_bound_edge: tuple[str, ...] = ("auth", "access")
+    # cache-aware placement against the peers (bench.suites.cache; part of full mode): every
+    # arm runs each workload as a ramp of closed-loop steps of this many clients; 8 arms
+    # (two only on the sharing workloads) x 3 workloads x 3 steps of 12 s is ~16 min
+    cache_steps: tuple[int, ...] = (4, 16, 40)
+    cache_step_s: float = 12.0
+    cache_workloads: tuple[str, ...] = ("shared_prefix", "multi_turn", "no_sharing")
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
@@ -124,6 +130,8 @@ MODES = {
         floor_ab_reps=1,
         router_bound_s=1.0,
         router_bound_reps=1,
+        cache_steps=(4, 16),
+        cache_step_s=3.0,
     ),
     "full": Mode(
         name="full",
@@ -158,6 +166,7 @@ MODES = {
             "llama",
             "floor_ab",
             "router_bound",
+            "cache",
         ),
     ),
 }

@@ -29,12 +29,12 @@ BENCH_API_KEY = "sk-narwhal-bench-0123456789abcdef0123456789abcdef"  # loopback 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
     """A router variant. `kind` is narwhal, vllm-router, sglang-router, floor, floor-raw,
-    floor-granian or direct. `uvloop`: Narwhal or a floor started through `bench.uvrun`
-    (floor-raw always is). `workers`: Narwhal's `serving.workers` (an int or "auto"); None
-    leaves Narwhal's default. `api_key`: Narwhal requires this client key on every `/v1`
-    request (`auth.api_keys_env: API_KEYS_ENV`, the variable set to it for the router's
-    process), and the load generator sends it as `Authorization: Bearer <key>` to this
-    router only; None: no auth."""
+    floor-granian, oracle (bench.oracle, the `cache` suite's) or direct. `uvloop`: Narwhal
+    or a floor started through `bench.uvrun` (floor-raw always is). `workers`: Narwhal's
+    `serving.workers` (an int or "auto"); None leaves Narwhal's default. `api_key`: Narwhal
+    requires this client key on every `/v1` request (`auth.api_keys_env: API_KEYS_ENV`, the
+    variable set to it for the router's process), and the load generator sends it as
+    `Authorization: Bearer <key>` to this router only; None: no auth."""
 
     name: str
     kind: str
@@ -46,6 +46,9 @@ class RouterSpec:
     workers: int | str | None = None
     src: Path | None = None  # Narwhal from this source tree (`--ab-src`) instead of the repo's
     api_key: str | None = None
+    # Narwhal: each prefill engine's `kv_events` (from `Engines.kv_events`) in its config
+    kv_events: bool = False
+    peer_policy: str | None = None  # a peer's `--policy` (None: its default)
 
 
 @dataclass(slots=True)
@@ -66,12 +69,18 @@ class Engines:
     model: str
     prefill: list[str]
     decode: list[str]
+    # prefill URL -> its KV-event publisher (`endpoint`, `replay_endpoint`, `topic`)
+    kv_events: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def narwhal_config(spec: RouterSpec, engines: Engines, port: int, state: Path) -> dict[str, Any]:
     listed: list[dict[str, Any]] = [
         {"id": f"p{i}", "url": u, "role": "prefill"} for i, u in enumerate(engines.prefill)
     ] + [{"id": f"d{i}", "url": u, "role": "decode"} for i, u in enumerate(engines.decode)]
+    if spec.kv_events:
+        for entry in listed:
+            if entry["url"] in engines.kv_events:
+                entry["kv_events"] = engines.kv_events[entry["url"]]
     serving: dict[str, Any] = {"policy": spec.policy}
     if spec.workers is not None:
         serving["workers"] = spec.workers  # data-plane worker processes (DESIGN §9)
@@ -127,6 +136,13 @@ async def _start(
         module = "bench.floor" if spec.kind == "floor" else "bench.floor_raw"
         argv = [sys.executable, *_launch(spec, module), "--port", str(port)]
         argv += ["--prefill", engines.prefill[0]]
+        for u in engines.decode:
+            argv += ["--decode", u]
+        ready = "/health"
+    elif spec.kind == "oracle":
+        argv = [sys.executable, "-m", "bench.oracle", "--port", str(port)]
+        for u in engines.prefill:
+            argv += ["--prefill", u]
         for u in engines.decode:
             argv += ["--decode", u]
         ready = "/health"
@@ -208,4 +224,6 @@ def peer_argv(
     argv += ["--log-level", log_level]
     if spec.health_interval_s is not None:
         argv += ["--health-check-interval-secs", str(int(spec.health_interval_s))]
+    if spec.peer_policy is not None:
+        argv += ["--policy", spec.peer_policy]
     return argv

@@ -24,8 +24,12 @@ class SimFlags:
     itl_ms: float = 1.0
     ttft_per_token_ms: float = 0.05
     max_concurrency: int = 4096
+    # more flags per role (the `cache` suite's prefix cache, queue and KV events)
+    prefill_extra: tuple[str, ...] = ()
+    decode_extra: tuple[str, ...] = ()
 
-    def argv(self) -> list[str]:
+    def argv(self, role: str = "") -> list[str]:
+        extra = {"prefill": self.prefill_extra, "decode": self.decode_extra}.get(role, ())
         return [
             "--itl-ms",
             str(self.itl_ms),
@@ -33,6 +37,7 @@ class SimFlags:
             str(self.ttft_per_token_ms),
             "--max-concurrency",
             str(self.max_concurrency),
+            *extra,
         ]
 
 
@@ -90,7 +95,7 @@ class SimFleet:
             sim.name,
             "--model",
             self.model,
-            *self.flags.argv(),
+            *self.flags.argv(sim.role),
         ]
         port_at = argv.index("--port") + 1
         for attempt in range(50):  # a killed sim's port may take a moment to free

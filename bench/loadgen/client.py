@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from bench.loadgen.spec import MARKER, RunResult, RunSpec
+from bench.loadgen.workloads import Workload
 from bench.stats import Histogram, summary
 
 _PREFILL_PARAMS = (
@@ -38,12 +39,17 @@ class Bodies:
         if spec.api_key:
             self.headers = {**_HEADERS, "Authorization": f"Bearer {spec.api_key}"}
         words = " ".join(f"w{i % 256}" for i in range(max(0, spec.prompt_words - 2)))
-        self.head = f'{{"model":{json.dumps(spec.model)},"prompt":"{words} {MARKER} n'.encode()
+        self.model_head = f'{{"model":{json.dumps(spec.model)},"prompt":'.encode()
+        self.head = self.model_head + f'"{words} {MARKER} n'.encode()
         self.tails = {
             True: f'","max_tokens":{spec.max_tokens},"stream":true}}'.encode(),
             False: f'","max_tokens":{spec.max_tokens},"stream":false}}'.encode(),
         }
         self.prefill_tail = b'","max_tokens":1,"stream":false' + _PREFILL_PARAMS
+
+    def prompt(self, prompt: str, stream: bool) -> bytes:
+        """A workload's prompt in the same body."""
+        return self.model_head + json.dumps(prompt).encode() + self.tails[stream][1:]
 
     def body(self, i: int, stream: bool) -> bytes:
         return self.head + str(i).encode() + self.tails[stream]
@@ -215,14 +221,23 @@ class Client:
         tally.window = (start + spec.ramp_s, end)
         result.t_start = start
 
+        sessions = Workload.from_json(spec.workload).sessions() if spec.workload else None
+
         async def worker(k: int) -> None:
             if spec.ramp_s and not warmup:
                 await asyncio.sleep(k * spec.ramp_s / spec.concurrency)
+            turns: list[str] = []
             while result.started < limit and time.monotonic() < end:
                 result.started += 1
                 i = next(self._counter)
                 stream = spec.stream == "yes" or (spec.stream == "mixed" and i % 2 == 1)
-                await self._one(spec, session, bodies, i, stream, result, tally)
+                if sessions is None:
+                    await self._one(spec, session, bodies, i, stream, result, tally)
+                    continue
+                if not turns:
+                    turns = next(sessions)
+                body = bodies.prompt(turns.pop(0), stream)
+                await self._one(spec, session, bodies, i, stream, result, tally, body)
 
         await asyncio.gather(*(worker(k) for k in range(spec.concurrency)))
         result.t_end = time.monotonic()
@@ -236,7 +251,9 @@ class Client:
         stream: bool,
         result: RunResult,
         tally: _Tally,
+        body: bytes | None = None,
     ) -> None:
+        """One request: `body` (a workload's prompt) or the spec's `i`-th body."""
         t0 = time.monotonic()
         tally.in_flight += 1
         result.peak_in_flight = max(result.peak_in_flight, tally.in_flight)
@@ -247,7 +264,7 @@ class Client:
                 if spec.target == "direct":
                     first = await self._direct(spec, session, bodies, i, stream, result, tally)
                 else:
-                    body = bodies.body(i, stream)
+                    body = body or bodies.body(i, stream)
                     url = self._ready_url if spec.failover and self._ready_url else spec.url
                     first = await self._post(
                         session, url, body, i, stream, result, tally, bodies.headers
@@ -266,6 +283,8 @@ class Client:
             tally.latencies.append(t1 - t0)
             if stream:
                 tally.ttfts.append(first - t0)
+                if (first - t0) * 1000 <= spec.ttft_slo_ms:
+                    result.good += 1
         elif outcome == "hung":
             result.hung += 1
         else:

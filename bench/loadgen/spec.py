@@ -42,6 +42,10 @@ class RunSpec:
     # A router that requires a client key: `Authorization: Bearer <api_key>` on every request
     # to it ("" sends none; never on a direct run's engine legs)
     api_key: str = ""
+    # The `cache` suite: prompts from this workload (bench.loadgen.workloads, as JSON) instead
+    # of `prompt_words`; each client sends a session's prompts one after another.
+    workload: dict[str, Any] | None = None
+    ttft_slo_ms: float = 0.0  # > 0: count the requests whose first token came within it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +81,7 @@ class RunResult:
     # paired runs: per entry of spec.paired, latency and TTFT summaries, and the median of the
     # per-round differences to the first entry
     paired: list[dict[str, Any]] = field(default_factory=list)
+    good: int = 0  # ok, and (streamed) its first token within spec.ttft_slo_ms
 
     @property
     def elapsed_s(self) -> float:

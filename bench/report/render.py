@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import (
+    cache,
     control,
     discussion,
     faults,
@@ -49,6 +50,7 @@ SUITES = (
     ("profile", "Hot-path profile (Narwhal)", profile.render),
     ("floor_ab", "HTTP stack: the floor three ways, and uvloop", floor_ab.render),
     ("router_bound", "Router-bound: data-plane workers beside the peers", router_bound.render),
+    ("cache", "Cache-aware placement against the peers", cache.render),
     ("soak", "Chaos soak", soak.render),
     ("llama", "Real engines: time to first token with and without the PD split", llama.render),
 )
