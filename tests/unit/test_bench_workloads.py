@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from bench.loadgen.workloads import Workload
 
 
