@@ -43,13 +43,14 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Debian packages the tests use for real: etcd-server (the etcd lease backend), dnsmasq-base (a
-# DNS server for discovery) and chromium (the dashboard, in a headless browser). Installed only
-# when missing.
+# DNS server for discovery), chromium (the dashboard, in a headless browser) and slowhttptest
+# (the hostile suite's slow clients). Installed only when missing.
 system-deps:
 	@missing=""; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v dnsmasq >/dev/null 2>&1 || missing="$$missing dnsmasq-base"; \
+	command -v slowhttptest >/dev/null 2>&1 || missing="$$missing slowhttptest"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing (Debian)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
