@@ -17,6 +17,7 @@ from aiohttp import web
 from narwhal.dataplane.errors import openai_error
 from narwhal.http_membership import add_membership_routes
 from narwhal.state.handoff import newest
+from narwhal.telemetry import admin_views
 
 if TYPE_CHECKING:
     from narwhal.server import Router
@@ -64,9 +65,7 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
     app.middlewares.append(admin_auth)
 
     async def admin_engines(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            {"engines": router.engines_json(), "consolidation_risk": router.small.risk}
-        )
+        return web.json_response(admin_views.engines_document(router.admin_snapshot()))
 
     async def admin_monitor(request: web.Request) -> web.StreamResponse:
         return web.json_response(router.monitor.to_json())
@@ -75,14 +74,12 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
         verdict = router.resume_verdict
         followed = router.ownership.followed if router.ownership is not None else None
         return web.json_response(
-            {
-                "path": str(router.handoff.path),
-                "sequence": router.handoff.sequence,
-                "document": newest(router.handoff.last_document, followed),
-                "resume": None
-                if verdict is None
-                else {"applied": verdict.ok, "reason": verdict.reason, "code": verdict.code},
-            }
+            admin_views.handoff(
+                str(router.handoff.path),
+                router.handoff.sequence,
+                newest(router.handoff.last_document, followed),
+                None if verdict is None else (verdict.ok, verdict.reason, verdict.code),
+            )
         )
 
     async def operator_request(
@@ -224,15 +221,7 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
     app.router.add_get("/admin/handoff", admin_handoff)
 
     async def admin_lease(request: web.Request) -> web.StreamResponse:
-        if router.ownership is None:
-            return web.json_response(
-                {
-                    "backend": "none",
-                    "role": "active",
-                    "router_id": router.config.effective_router_id,
-                }
-            )
-        return web.json_response(router.ownership.to_json())
+        return web.json_response(admin_views.lease(router.admin_snapshot(), with_router_id=True))
 
     app.router.add_get("/admin/lease", admin_lease)
 
@@ -240,15 +229,8 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
         """The data-plane processes: this one alone without workers (DESIGN §9)."""
         sup = router.supervisor
         if sup is None:
-            return web.json_response(
-                {"workers": [{"index": 0, "pid": os.getpid(), "running": True}], "control": None}
-            )
-        return web.json_response(
-            {
-                "workers": sup.to_json(),
-                "control": {"pid": os.getpid(), "snapshot_version": sup.version},
-            }
-        )
+            return web.json_response(admin_views.workers(None, os.getpid(), None))
+        return web.json_response(admin_views.workers(sup.to_json(), os.getpid(), sup.version))
 
     app.router.add_get("/admin/workers", admin_workers)
 
@@ -258,61 +240,10 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
         return web.Response(body=page, content_type="text/html")
 
     async def admin_dashboard(request: web.Request) -> web.StreamResponse:
-        lease = (
-            router.ownership.to_json()
-            if router.ownership is not None
-            else {"backend": "none", "role": "active"}
-        )
-        # Per-engine history for the sparklines: the kept interval windows (as in
-        # /admin/stats) then the open one, with wall-clock bounds (each ends where the next
-        # starts; the open one ends now).
-        mono = router.clock.monotonic()
-        wall = router.clock.wall()
-        windows = [*router.stats.closed, router.stats.current]
-        ends = [w.started for w in windows[1:]] + [mono]
-        return web.json_response(
-            {
-                "router_id": router.config.effective_router_id,
-                "ready": router.ready(),
-                "engines": router.engines_json(),
-                "monitor": router.monitor.to_json(),
-                "lease": lease,
-                "timeline": [s.to_json() for s in router.timeline.samples],
-                "now": wall,
-                "engine_history": {
-                    "interval_s": router.config.controller.interval_s,
-                    "windows_kept": router.stats.closed.maxlen,
-                    "windows": [
-                        {
-                            "started": wall - (mono - w.started),
-                            "ended": wall - (mono - end),
-                            "open": w is router.stats.current,
-                            "engines": {e: x.to_json() for e, x in w.engines.items()},
-                        }
-                        for w, end in zip(windows, ends, strict=True)
-                    ],
-                },
-            }
-        )
+        return web.json_response(admin_views.dashboard(router.admin_snapshot()))
 
     async def admin_stats(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            {
-                "interval_s": router.config.controller.interval_s,
-                "current": {e: w.to_json() for e, w in router.stats.current.engines.items()},
-                "closed": [
-                    {
-                        "started": w.started,
-                        "engines": {e: x.to_json() for e, x in w.engines.items()},
-                    }
-                    for w in router.stats.closed
-                ],
-                "drift": [{"engine": d.engine_id, "reason": d.reason} for d in router.small.drift],
-                "drift_mode": router.config.controller.drift_mode,
-                "consolidation_risk": router.small.risk,
-                "rebalances": router.small.rebalances,
-            }
-        )
+        return web.json_response(admin_views.stats(router.admin_snapshot().stats))
 
     app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/admin/dashboard", admin_dashboard)

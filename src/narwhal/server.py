@@ -45,7 +45,6 @@ from narwhal.dataplane.auth import key_problems
 from narwhal.dataplane.plane import DataPlane
 from narwhal.dataplane.prefix import PlacementCollector
 from narwhal.dataplane.request_ids import numbered_ids, request_prefix
-from narwhal.engine.failures import FailureClass
 from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient
 from narwhal.fleet.admission import Admission
@@ -72,6 +71,7 @@ from narwhal.state.handoff import (
 from narwhal.state.lease import LeaseKeeper, LeaseStore
 from narwhal.state.lease import Role as LeaseRole
 from narwhal.state.resume import continue_sequence, resume
+from narwhal.telemetry import admin_views
 from narwhal.telemetry.events import EventLog
 from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
@@ -458,47 +458,49 @@ class Router:
             return None
         return monotonic_s + self._wall_offset_s
 
-    def engines_json(self) -> list[dict[str, Any]]:
+    def admin_snapshot(self) -> admin_views.AdminSnapshot:
+        """What the admin documents are made of, taken in one go (`telemetry/admin_views`)."""
         now = self.clock.monotonic()
-        out = []
-        for e in self.fleet:
-            holds = e.active_holds(now)
-            out.append(
-                {
-                    "id": e.id,
-                    "url": e.config.url,
-                    "role": e.role.value,
-                    "kv_role": e.config.effective_kv_role.value,
-                    "model": e.model,
-                    "served_models": sorted(e.served),
-                    "eligible": self.fleet.eligible(e, now),
-                    "verified": e.verified,
-                    "unverified_reason": e.unverified_reason,
-                    "ejected": e.ejected is not None,
-                    "ejection": e.ejected.admin_json() if e.ejected else None,
-                    "holds": [h.name.value for h in holds],
-                    "hold_details": [
-                        {
-                            "name": h.name.value,
-                            "reason": h.reason,
-                            "since": h.since_wall,
-                            "deadline": h.deadline_wall,
-                        }
-                        for h in holds
-                    ],
-                    "evidence": {c.value: e.evidence.get(c, 0) for c in FailureClass},
-                    "liveness_misses": e.liveness_misses,
-                    "in_flight": self.fleet.in_flight.of(e.id),
-                    "generation": e.generation,
-                    "max_model_len": e.max_model_len,
-                    "drain_settled": e.id in self.small.drains_settled,
-                    "drain_settled_at": self._wall_of(self.small.drains_settled.get(e.id)),
-                    "readmission": [
-                        r.to_json() for r in self.readmission.last_results.get(e.id, [])
-                    ],
-                }
+        small = self.small
+        stats = admin_views.StatsSnapshot(
+            interval_s=self.config.controller.interval_s,
+            current=self.stats.current,
+            closed=tuple(self.stats.closed),
+            windows_kept=self.stats.closed.maxlen,
+            drift=tuple((d.engine_id, d.reason) for d in small.drift),
+            drift_mode=self.config.controller.drift_mode,
+            risk=small.risk,
+            rebalances=tuple(small.rebalances),
+        )
+        return admin_views.AdminSnapshot(
+            router_id=self.config.effective_router_id,
+            ready=self.ready(),
+            mono=now,
+            wall=self.clock.wall(),
+            engines=self._engine_rows(now),
+            stats=stats,
+            monitor=self.monitor.to_json(),
+            lease=self.ownership.to_json() if self.ownership is not None else None,
+            timeline=tuple(sample.to_json() for sample in self.timeline.samples),
+        )
+
+    def _engine_rows(self, now: float) -> tuple[admin_views.EngineRow, ...]:
+        settled, results = self.small.drains_settled, self.readmission.last_results
+        return tuple(
+            admin_views.EngineRow(
+                state=e,
+                eligible=self.fleet.eligible(e, now),
+                in_flight=self.fleet.in_flight.of(e.id),
+                drain_settled_at=self._wall_of(settled.get(e.id)),
+                readmission=tuple(r.to_json() for r in results.get(e.id, [])),
             )
-        return out
+            for e in self.fleet
+        )
+
+    def engines_json(self) -> list[dict[str, Any]]:
+        """`/admin/engines`'s list, as the CLI and the tests read it."""
+        now = self.clock.monotonic()
+        return [admin_views.engine(row, now) for row in self._engine_rows(now)]
 
     # ------------------------------------------------------------------ HTTP
     def build_app(self) -> web.Application:
