@@ -54,7 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "tls": {"config"},
     "http_errors": {"dataplane"},
     "http_membership": {"config", "control", "dataplane", "server"},  # `server`: types only
-    "http_routes": {"dataplane", "http_membership", "server", "state"},  # `server`: types only
+    # `server`: types only; `telemetry`: the admin documents (admin_views)
+    "http_routes": {"dataplane", "http_membership", "server", "state", "telemetry"},
     "server": {
         "clock",
         "config",
