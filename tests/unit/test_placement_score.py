@@ -34,12 +34,22 @@ def test_without_matches_the_least_loaded_wins_counting_scraped_waiting() -> Non
     assert ids(rank(engines, {}, 100, 0)) == ["b", "c", "a"]
 
 
-def test_the_imbalance_guard_ignores_the_cache_when_one_engine_is_swamped() -> None:
+def test_the_imbalance_guard_ignores_the_cache_of_a_swamped_engine() -> None:
     engines = [Load("hot", 20), Load("cold", 1)]
     ranked = rank(engines, {"hot": 1000}, 1000, 0, weights=Weights(imbalance_abs=8))
     assert ids(ranked)[0] == "cold"
     # Below the absolute threshold the cache still decides.
     assert ids(rank([Load("hot", 6), Load("cold", 1)], {"hot": 1000}, 1000, 0))[0] == "hot"
+
+
+def test_a_swamped_engine_does_not_take_the_other_engines_cache_credit() -> None:
+    """Only the swamped engine loses its credit: a request whose prefix is on a lightly
+    loaded engine still goes there, not to the least loaded one."""
+    engines = [Load("hot", 20), Load("warm", 3), Load("idle", 1)]
+    assert ids(rank(engines, {"warm": 900}, 1000, 0))[0] == "warm"
+    # and the hot engine's own prefix goes to the lightest engine holding it, else the idle one
+    assert ids(rank(engines, {"hot": 900, "warm": 900}, 1000, 0))[0] == "warm"
+    assert ids(rank(engines, {"hot": 900}, 1000, 0))[0] == "idle"
 
 
 def test_decode_counts_kv_usage_against_an_engine() -> None:

@@ -12,11 +12,16 @@ relative to the most loaded candidate, each with a weight:
 
 `load` is Narwhal's own in-flight legs on the engine plus its scraped
 `vllm:num_requests_waiting` (when fresh), and `kv_usage` (scraped `vllm:kv_cache_usage_perc`)
-counts against a decode engine, which needs room for the blocks it pulls. The imbalance guard
-(in the manner of sglang-router's cache-aware policy): when the most loaded candidate carries
-more than `imbalance_abs` legs more than the least, and more than `imbalance_rel` times as
-many, the cache is ignored and the least loaded engines win, so a hot prefix cannot pile every
-request on one engine. Ties go by the role's rotation turn, as `least_in_flight` does.
+counts against a decode engine, which needs room for the blocks it pulls. The imbalance guard,
+per engine: a candidate that carries more than `imbalance_abs` legs more than the least
+loaded one, and more than `imbalance_rel` times as many, gets no credit for its cache, so a
+hot prefix cannot pile every request on one engine: its requests go to a lighter engine,
+which then holds the prefix too (a hot prefix ends up on as many engines as its load needs).
+The other candidates keep their credit. (sglang-router's cache-aware policy, and ours until
+the `cache` benchmark, drop the cache for every candidate at once while any one is
+swamped: at 40 clients on 4 prefill engines that sent a shared-prefix workload from a 94% to
+a 77% hit rate, and its TTFT p90 from 86 ms to 2.8 s, as misses fed the imbalance.)
+Ties go by the role's rotation turn, as `least_in_flight` does.
 """
 
 from __future__ import annotations
@@ -73,11 +78,11 @@ def rank(
         return []
     queues = [c.queue for c in candidates]
     low, high = min(queues), max(queues)
-    balanced = not (high - low > weights.imbalance_abs and high > weights.imbalance_rel * low)
     ranked = []
     for c in candidates:
         hit = min(matched.get(c.id, 0), prompt_tokens)
-        share = hit / prompt_tokens if prompt_tokens > 0 and balanced else 0.0
+        swamped = c.queue - low > weights.imbalance_abs and c.queue > weights.imbalance_rel * low
+        share = hit / prompt_tokens if prompt_tokens > 0 and not swamped else 0.0
         score = weights.prefix * share - weights.load * c.queue / (1 + high)
         if decode and c.kv_usage is not None:
             score -= weights.kv_usage * c.kv_usage
