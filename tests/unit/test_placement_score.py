@@ -1,11 +1,12 @@
-"""The placement decision: cached prefix against load, the imbalance guard, rotation."""
+"""The placement decision: prefill by the work waited for and done, decode by load and cache
+with an imbalance guard, rotation."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.placement.score import Load, Weights, rank
+from narwhal.placement.score import Load, rank
 
 
 def ids(ranked: list) -> list[str]:
@@ -34,18 +35,48 @@ def test_without_matches_the_least_loaded_wins_counting_scraped_waiting() -> Non
     assert ids(rank(engines, {}, 100, 0)) == ["b", "c", "a"]
 
 
-def test_the_imbalance_guard_ignores_the_cache_of_a_swamped_engine() -> None:
+def test_a_prefix_wins_until_its_queue_costs_more_than_computing_the_prompt_elsewhere() -> None:
+    """cost = queue x (tokens per request + 16) + 2 x uncached tokens: 6 cached requests
+    ahead (40 tokens each) cost less than 1,000 tokens of prefill on the idle engine; 60 do
+    not."""
+
+    def hot(queue: int) -> list[Load]:
+        return [Load("hot", queue, tokens_per_request=40), Load("cold", 1, tokens_per_request=1000)]
+
+    assert ids(rank(hot(6), {"hot": 960}, 1000, 0))[0] == "hot"
+    assert ids(rank(hot(60), {"hot": 960}, 1000, 0))[0] == "cold"
+    # the score is the cost over the prompt, negated: 6 x 56 + 2 x 40 = 416 tokens
+    assert rank(hot(6), {"hot": 960}, 1000, 0)[0].score == -0.416
+
+
+def test_a_burst_of_one_new_prefix_waits_for_its_first_prefill() -> None:
+    """One full prefill ahead (unknown history: like this prompt) on the engine that will hold
+    the prefix: waiting for it beats computing the prompt again on an idle engine."""
+    engines = [Load("first", 1, tokens_per_request=1000), Load("idle", 0)]
+    assert ids(rank(engines, {"first": 992}, 1000, 0))[0] == "first"
+
+
+def test_without_history_an_engine_s_queue_is_taken_for_requests_like_this_one() -> None:
+    """Unknown tokens per request: the queue holding the prefix is of cheap requests, the
+    other engine's of full prompts."""
     engines = [Load("hot", 20), Load("cold", 1)]
-    ranked = rank(engines, {"hot": 1000}, 1000, 0, weights=Weights(imbalance_abs=8))
+    assert ids(rank(engines, {"hot": 960}, 1000, 0))[0] == "hot"  # 20 x 56 + 80 < 1016 + 2000
+    assert ids(rank([Load("hot", 60), Load("cold", 1)], {"hot": 960}, 1000, 0))[0] == "cold"
+
+
+def test_the_decode_imbalance_guard_ignores_the_cache_of_a_swamped_decode() -> None:
+    engines = [Load("hot", 20), Load("cold", 1)]
+    ranked = rank(engines, {"hot": 1000}, 1000, 0, decode=True)
     assert ids(ranked)[0] == "cold"
     # Below the absolute threshold the cache still decides.
-    assert ids(rank([Load("hot", 6), Load("cold", 1)], {"hot": 1000}, 1000, 0))[0] == "hot"
+    engines = [Load("hot", 6), Load("cold", 1)]
+    assert ids(rank(engines, {"hot": 1000}, 1000, 0, decode=True))[0] == "hot"
 
 
-def test_a_swamped_engine_does_not_take_the_other_engines_cache_credit() -> None:
-    """Only the swamped engine loses its credit: a request whose prefix is on a lightly
-    loaded engine still goes there, not to the least loaded one."""
-    engines = [Load("hot", 20), Load("warm", 3), Load("idle", 1)]
+def test_a_busy_engine_does_not_take_the_other_engines_cache_credit() -> None:
+    """Only the busy engine's own cost grows: a request whose prefix is on a lightly loaded
+    engine still goes there, not to the least loaded one."""
+    engines = [Load("hot", 40), Load("warm", 3), Load("idle", 1)]
     assert ids(rank(engines, {"warm": 900}, 1000, 0))[0] == "warm"
     # and the hot engine's own prefix goes to the lightest engine holding it, else the idle one
     assert ids(rank(engines, {"hot": 900, "warm": 900}, 1000, 0))[0] == "warm"

@@ -61,13 +61,34 @@ def test_a_placed_prefix_draws_the_next_request_with_it_until_the_engine_leaves_
     assert first_choice(prefix) == "p0"  # no match: rotation's first
     placed_on(prefix, "p1")
     assert first_choice(prefix) == "p1"
-    assert first_choice(prefix, {"p1": 2}) == "p1", "a little more load does not move it"
+    assert first_choice(prefix, {"p1": 1}) == "p1", "its first prefill ahead does not move it"
 
     ejection = Ejection("connection", "refused", 0.0, {})
     fleet["p1"] = replace(fleet["p1"], ejected=ejection)
     prefix.sync(fleet.values(), clock.monotonic())
     assert prefix.index.index_blocks("p1") == 0
     assert first_choice(prefix) == "p0"
+
+
+def test_each_engine_s_queue_is_charged_what_its_recent_prefills_computed() -> None:
+    """The ranking charges each request queued on an engine the uncached tokens of the
+    prefills lately placed there (a moving average): a queue of cached requests is cheap, so
+    the prefix holds its engine under more load than a queue of misses would allow."""
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    prefix.sync(states().values(), clock.monotonic())
+    req = parse_request("completions", _body(PROMPT + "first"), "m")
+    prompt = prefix.prompt(req, "m")
+    assert prompt is not None
+    prefix.placed(prompt, "p1", 0)  # a miss: every token computed
+    candidates = [Candidate("p0", 0), Candidate("p1", 3)]
+    loads = {c.id: prefix.load(c, clock.monotonic()) for c in candidates}
+    assert loads["p0"].tokens_per_request is None
+    assert loads["p1"].tokens_per_request == prompt.tokens
+    for _ in range(30):  # then hits, computing one block each
+        prefix.placed(prompt, "p1", prompt.tokens - 16)
+    p1 = prefix.load(Candidate("p1", 3), clock.monotonic())
+    assert p1.tokens_per_request is not None and 16 <= p1.tokens_per_request < 20
 
 
 def test_a_new_generation_or_a_maintenance_hold_empties_the_engine() -> None:

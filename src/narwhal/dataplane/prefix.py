@@ -71,6 +71,10 @@ def events_of(engine: EngineConfig, placement: PlacementConfig) -> KvEventsEndpo
     )
 
 
+# How fast an engine's tokens-per-request average follows its newest prefill placement.
+WORK_EWMA = 0.2
+
+
 class PrefixPlacement:
     def __init__(self, config: Config, clock: Clock, share: Shared = _unshared) -> None:
         self.enabled = config.placement.policy == "prefix"
@@ -92,6 +96,9 @@ class PrefixPlacement:
         # Each engine's own load, from its /metrics (control/load_scrape.py); replaced whole.
         self.loads: Mapping[str, EngineLoad] = {}
         self._endpoints: dict[str, KvEventsEndpoint] = {}
+        # Per engine: the uncached tokens of the prefills this process placed there lately (a
+        # moving average), what `score.rank` charges for each request in its queue.
+        self._work: dict[str, float] = {}
 
     # ------------------------------------------------------------ membership and hygiene
     def sync(self, engines: Iterable[EngineState], now: float) -> None:
@@ -201,18 +208,19 @@ class PrefixPlacement:
         """The candidates best first, those in `exclude` last."""
         now = self._clock.monotonic()
         matched = self.index.match(prompt.model, prompt.keys, now)
-        loads = [self._load(c, now) for c in candidates]
+        loads = [self.load(c, now) for c in candidates]
         hits = {engine: m.matched_tokens for engine, m in matched.items()}
         ranked = rank(loads, hits, prompt.tokens, turn, decode=role is Role.DECODE)
         skip = set(exclude)
         return [r for r in ranked if r.id not in skip] + [r for r in ranked if r.id in skip]
 
-    def _load(self, candidate: Candidate, now: float) -> Load:
+    def load(self, candidate: Candidate, now: float) -> Load:
         """Narwhal's in-flight legs, plus the engine's own queue and KV usage while fresh."""
         scraped = self.loads.get(candidate.id)
+        work = self._work.get(candidate.id)
         if scraped is None or not scraped.fresh(now, self._placement_config.metrics_stale_s):
-            return Load(candidate.id, candidate.in_flight)
-        return Load(candidate.id, candidate.in_flight, scraped.waiting, scraped.kv_usage)
+            return Load(candidate.id, candidate.in_flight, tokens_per_request=work)
+        return Load(candidate.id, candidate.in_flight, scraped.waiting, scraped.kv_usage, work)
 
     def explain(self, req: ClientRequest, model: str, fleet: Fleet, now: float) -> dict[str, Any]:
         """`POST /admin/placement`: how this process would place the request now, without
@@ -231,7 +239,7 @@ class PrefixPlacement:
             if prompt is not None:
                 ranked = self.choose(prompt, role, candidates, turn=0)
             else:  # least_loaded: no keys; ranked by load alone
-                loads = [self._load(c, now) for c in candidates]
+                loads = [self.load(c, now) for c in candidates]
                 ranked = rank(loads, {}, 0, 0)
             name = "prefill" if role in (Role.PREFILL, Role.BOTH) else role.value
             view[name] = [
@@ -250,6 +258,11 @@ class PrefixPlacement:
             prompt.model, engine_id, prompt.keys, now, matched_tokens=matched_tokens
         )
         self._share(prompt.model, engine_id, prompt.keys)
+        uncached = max(prompt.tokens - matched_tokens, 0)
+        before = self._work.get(engine_id)
+        self._work[engine_id] = (
+            uncached if before is None else before + WORK_EWMA * (uncached - before)
+        )
 
     def placed_elsewhere(self, model: str, engine_id: str, keys: Sequence[BlockKey]) -> None:
         """Another process placed a prefill (its `share`)."""
