@@ -46,6 +46,7 @@ def _publisher_main(pub_address: str, replay_address: str | None) -> None:
     if replay_address is not None:
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.SNDHWM, 0)  # a long replay is sent whole, never dropped here
         router.bind(replay_address)
     buffer: list[tuple[int, bytes]] = []
     subscribed = False
@@ -83,6 +84,9 @@ def _publisher_main(pub_address: str, replay_address: str | None) -> None:
                 buffer.append((cmd["seq"], payload))
                 if cmd["live"]:
                     pub.send_multipart([TOPIC.encode(), cmd["seq"].to_bytes(8, "big"), payload])
+            elif cmd["op"] == "buffer_many":  # kept for replay only, as if sent long ago
+                payload = bytes.fromhex(cmd["payload"])
+                buffer += [(seq, payload) for seq in range(cmd["first"], cmd["end"])]
             elif cmd["op"] == "raw":
                 pub.send_multipart([bytes.fromhex(f) for f in cmd["frames"]])
             elif cmd["op"] == "state":
@@ -108,6 +112,9 @@ class Publisher:
 
     async def publish(self, seq: int, payload: bytes, *, live: bool = True) -> None:
         await self._ask({"op": "publish", "seq": seq, "payload": payload.hex(), "live": live})
+
+    async def buffer_many(self, first: int, end: int, payload: bytes) -> None:
+        await self._ask({"op": "buffer_many", "first": first, "end": end, "payload": payload.hex()})
 
     async def raw(self, *frames: bytes) -> None:
         await self._ask({"op": "raw", "frames": [f.hex() for f in frames]})
@@ -255,6 +262,35 @@ async def test_a_first_message_past_zero_replays_from_the_start() -> None:
         await h.publisher.publish(1, _stored(3, 3, sim.EventEncoding.ARRAY))
         await h.matched_becomes(24)
         assert (await h.publisher.state())["replays"] == [0]
+
+
+async def test_a_long_replay_leaves_the_event_loop_free() -> None:
+    """Subscribing late to a publisher with 20,000 batches in its replay buffer (vLLM keeps
+    10,000): the replay is applied whole, and the event loop of the process doing it (every
+    request there, or the control process's heartbeats) is never held meanwhile."""
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    async with _harness(replay=True) as h:
+        n = 20_000
+        await h.publisher.buffer_many(0, n, _stored(0, 2, sim.EventEncoding.ARRAY))
+        tick = asyncio.create_task(ticker())
+        try:
+            await h.publisher.publish(n, _stored(2, 1, sim.EventEncoding.ARRAY))
+            await h.matched_becomes(12)  # the live batch, after the replay
+        finally:
+            tick.cancel()
+        c = h.counters()
+        assert (c.replays, c.batches, c.gaps) == (1, n + 1, 0), "the whole buffer replayed"
+    assert max(gaps) < 0.25, f"the loop was held for {max(gaps):.2f}s"
 
 
 async def test_a_gap_without_replay_forgets_the_engine() -> None:

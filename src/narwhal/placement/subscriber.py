@@ -26,6 +26,11 @@ log = logging.getLogger("narwhal.placement")
 
 END_OF_REPLAY = -1
 SEQUENCE_BYTES = 8
+# Messages handled between two yields to the event loop. A message already queued on the
+# socket completes `recv` without yielding, so a replay of the publisher's whole buffer (vLLM
+# keeps 10,000 batches) or a burst of live events would otherwise hold the loop for seconds:
+# every request in this process, and the control process's heartbeats, waited behind it.
+YIELD_EVERY = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +70,11 @@ async def subscribe(
         sub.connect(endpoint.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode("utf-8"))
         log.info("kv events: %s: subscribed to %s", engine, endpoint.endpoint)
+        received = 0
         while True:
+            received += 1
+            if received % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             frames = await sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != SEQUENCE_BYTES:
                 sink.on_garbage(engine, f"{len(frames)} frames, not [topic, sequence, payload]")
@@ -111,6 +120,9 @@ async def replay(
     dealer = context.socket(zmq.DEALER)
     try:
         dealer.setsockopt(zmq.LINGER, 0)
+        # No bound on what is queued here: the engine's ROUTER drops what does not fit in its
+        # send queue (1,000 messages by default), and its whole buffer comes at once.
+        dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(address)
         # A DEALER speaks to a ROUTER expecting REQ peers: an empty delimiter frame first.
         await dealer.send_multipart([b"", start.to_bytes(SEQUENCE_BYTES, "big", signed=True)])
@@ -141,5 +153,7 @@ async def replay(
                 return
             count += 1
             sink.on_batch(engine, seq, frames[1], clock.monotonic(), replayed=True)
+            if count % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
     finally:
         dealer.close(linger=0)
