@@ -4,6 +4,7 @@ the publisher and a DEALER on its replay socket, payloads decoded as plain msgpa
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 
+from narwhal.clock import SystemClock
+from narwhal.sim.faults import FaultBook
+from narwhal.sim.kv_events import BlockStored
+from narwhal.sim.kv_publisher import KvEventPublisher, PublisherConfig
 from tests.support.poll import eventually
 from tests.support.sim_process import SimFactory, SimProcess
 
@@ -366,3 +371,40 @@ def test_cache_match_tells_the_true_cached_prefix_and_changes_nothing(
     plain = sim_factory("--itl-ms", "0")
     status, answer = post(plain, "/sim/cache/match", body)
     assert status == 400 and "without a prefix cache" in answer["error"]["message"]
+
+
+async def test_a_replay_longer_than_zmq_s_default_queue_arrives_whole_with_its_end(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    """10,000 batches buffered, the publisher's (and vLLM's) whole buffer (a ROUTER's default
+    high-water mark is 1,000, past which it drops, the end marker included): a replay from 0
+    delivers every one, then the end."""
+    N = 10_000
+    rng = random.Random(0)
+    config = PublisherConfig(host="127.0.0.1", port=0, replay_port=0)
+    publisher = KvEventPublisher(
+        config, clock=SystemClock(), rng=rng, faults=FaultBook(rng, lambda _: None)
+    )
+    publisher.open()
+    serving = asyncio.create_task(publisher.serve_replay())
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        blocks = 64  # about 2.5 KB a batch: the kernel's socket buffers fill, the queue grows
+        stored = BlockStored((bytes(32),) * blocks, None, tuple(range(BLOCK * blocks)), BLOCK)
+        for _ in range(N):
+            publisher.publish([stored])
+        dealer.connect(f"tcp://127.0.0.1:{publisher.replay_port}")
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        async with asyncio.timeout(30):
+            while True:
+                _, seq, _ = await dealer.recv_multipart()
+                if seq == END:
+                    break
+                seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == list(range(N))
+    finally:
+        dealer.close()
+        serving.cancel()
+        publisher.close()

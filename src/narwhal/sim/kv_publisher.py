@@ -83,6 +83,9 @@ class KvEventPublisher:
         self.port = _port_of(pub)
         if c.replay_port is not None:
             replay = self._async_ctx.socket(zmq.ROUTER)
+            # A ROUTER drops what passes its high-water mark (1,000 by default), the end
+            # marker included: a replay of a longer buffer would never end for the client.
+            replay.setsockopt(zmq.SNDHWM, _HWM)
             replay.setsockopt(zmq.IPV6, ipv6)
             replay.setsockopt(zmq.LINGER, 0)
             self._replay = replay
