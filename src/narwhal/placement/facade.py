@@ -29,8 +29,10 @@ class PlacementConfig:
     """How long a placement counts on any engine before its events must confirm it."""
     stale_after_s: float = 10.0
     """Placed work that stored no block within this long makes the engine's stream stale."""
-    replay_retry_s: float = 30.0
-    """After a failed replay, gaps are given up without asking again for this long."""
+    replay_retry_s: float = 5.0
+    """After a failed replay, gaps are given up without asking again for this long: short,
+    as each gap meanwhile forgets the engine (30 s cost a multi-turn workload with 1% of its
+    event messages dropped 12 points of hit rate in the cache bench)."""
 
 
 @dataclass(slots=True)
