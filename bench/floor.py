@@ -15,6 +15,7 @@ import argparse
 import itertools
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -25,20 +26,62 @@ from narwhal.engine.vllm import PREFILL_KV_PARAMS
 _HEADERS = {"Content-Type": "application/json"}
 
 
-def app(prefill: str, decode: list[str]) -> web.Application:
-    session: dict[str, aiohttp.ClientSession] = {}
-    turn = itertools.cycle(decode)
+def client_session() -> aiohttp.ClientSession:
+    """The engines' side: one pooled session, bodies passed as bytes."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=4096, family=socket.AF_UNSPEC),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+async def relay(
+    request: web.Request, r: aiohttp.ClientResponse, stream: bool
+) -> web.StreamResponse:
+    """The decode leg's answer to the client, as it comes (streamed or whole)."""
+    if not stream:
+        return web.Response(body=await r.read(), content_type="application/json")
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    async for chunk in r.content.iter_any():
+        await out.write(chunk)
+    await out.write_eof()
+    return out
+
+
+def application(
+    completions: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    session: dict[str, aiohttp.ClientSession],
+) -> web.Application:
+    """`/v1/completions`, `/v1/chat/completions` and `/health`, with `session["s"]` open
+    while the app runs."""
 
     async def start(_: web.Application) -> None:
-        session["s"] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=4096, family=socket.AF_UNSPEC),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        session["s"] = client_session()
 
     async def stop(_: web.Application) -> None:
         await session["s"].close()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+def serve(app: web.Application, port: int) -> None:
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=lambda *_: None)
+
+
+def app(prefill: str, decode: list[str]) -> web.Application:
+    session: dict[str, aiohttp.ClientSession] = {}
+    turn = itertools.cycle(decode)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         s = session["s"]
@@ -49,25 +92,9 @@ def app(prefill: str, decode: list[str]) -> web.Application:
             handoff = orjson.loads(await r.read())["kv_transfer_params"]
         body["kv_transfer_params"] = handoff
         async with s.post(next(turn) + path, data=orjson.dumps(body), headers=_HEADERS) as r:
-            if not body.get("stream"):
-                return web.Response(body=await r.read(), content_type="application/json")
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await out.prepare(request)
-            async for chunk in r.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
+            return await relay(request, r, bool(body.get("stream")))
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    application = web.Application()
-    application.on_startup.append(start)
-    application.on_cleanup.append(stop)
-    application.router.add_post("/v1/completions", completions)
-    application.router.add_post("/v1/chat/completions", completions)
-    application.router.add_get("/health", health)
-    return application
+    return application(completions, session)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,13 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", required=True)
     p.add_argument("--decode", required=True, action="append")
     args = p.parse_args(argv)
-    web.run_app(
-        app(args.prefill, args.decode),
-        host="127.0.0.1",
-        port=args.port,
-        access_log=None,
-        print=lambda *_: None,
-    )
+    serve(app(args.prefill, args.decode), args.port)
 
 
 if __name__ == "__main__":

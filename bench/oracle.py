@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from bench.floor import application, relay, serve
 from narwhal.engine.vllm import PREFILL_KV_PARAMS
 
 _HEADERS = {"Content-Type": "application/json"}
@@ -29,17 +29,6 @@ _HEADERS = {"Content-Type": "application/json"}
 def app(prefill: list[str], decode: list[str]) -> web.Application:
     session: dict[str, aiohttp.ClientSession] = {}
     in_flight = {url: 0 for url in (*prefill, *decode)}
-
-    async def start(_: web.Application) -> None:
-        session["s"] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=4096, family=socket.AF_UNSPEC),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-
-    async def stop(_: web.Application) -> None:
-        await session["s"].close()
 
     async def cached(url: str, raw: bytes) -> int:
         async with session["s"].post(url + "/sim/cache/match", data=raw, headers=_HEADERS) as r:
@@ -67,26 +56,11 @@ def app(prefill: list[str], decode: list[str]) -> web.Application:
         in_flight[target] += 1
         try:
             async with s.post(target + path, data=orjson.dumps(body), headers=_HEADERS) as r:
-                if not body.get("stream"):
-                    return web.Response(body=await r.read(), content_type="application/json")
-                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await out.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+                return await relay(request, r, bool(body.get("stream")))
         finally:
             in_flight[target] -= 1
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    application = web.Application()
-    application.on_startup.append(start)
-    application.on_cleanup.append(stop)
-    application.router.add_post("/v1/completions", completions)
-    application.router.add_get("/health", health)
-    return application
+    return application(completions, session)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,13 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", required=True, action="append")
     p.add_argument("--decode", required=True, action="append")
     args = p.parse_args(argv)
-    web.run_app(
-        app(args.prefill, args.decode),
-        host="127.0.0.1",
-        port=args.port,
-        access_log=None,
-        print=lambda *_: None,
-    )
+    serve(app(args.prefill, args.decode), args.port)
 
 
 if __name__ == "__main__":
