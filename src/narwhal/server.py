@@ -482,6 +482,21 @@ class Router:
             monitor=self.monitor.to_json(),
             lease=self.ownership.to_json() if self.ownership is not None else None,
             timeline=tuple(sample.to_json() for sample in self.timeline.samples),
+            placement=self._placement_snapshot(),
+        )
+
+    def _placement_snapshot(self) -> admin_views.PlacementSnapshot:
+        """This process's index (every engine's events, and every worker's placements) and
+        the prefix counters the data plane keeps."""
+        prefix = self.dataplane.prefix
+        blocks = (
+            {e.id: prefix.index.index_blocks(e.id) for e in self.fleet} if prefix.enabled else {}
+        )
+        return admin_views.PlacementSnapshot(
+            policy=self.config.placement.policy,
+            cached_blocks=blocks,
+            lookup_tokens=self.metrics.data_totals("narwhal_prefix_lookup_tokens", "model"),
+            hit_tokens=self.metrics.data_totals("narwhal_prefix_hit_tokens", "model"),
         )
 
     def _engine_rows(self, now: float) -> tuple[admin_views.EngineRow, ...]:

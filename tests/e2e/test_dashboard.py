@@ -293,6 +293,8 @@ async def _sparklines(page: Page) -> None:
         ".map((t) => t.textContent)"
     )
     assert fleet == ["requests", "ms"]
+    placement = await page.evaluate("document.getElementById('placement').textContent")
+    assert placement == "policy least_loaded", placement  # the default: no index to show
 
 
 async def _drain_by_button(page: Page, holds: Callable[[str], list[str]]) -> None:

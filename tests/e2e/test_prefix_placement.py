@@ -104,7 +104,17 @@ async def test_a_prefix_stored_on_an_engine_draws_its_requests_there_by_its_even
     async with aiohttp.ClientSession() as http:
         hit = await metric(http, b.url, "narwhal_prefix_hit_tokens_total", model=MODEL)
         looked = await metric(http, b.url, "narwhal_prefix_lookup_tokens_total", model=MODEL)
+        async with http.get(b.url + "/admin/engines") as resp:
+            shown = (await resp.json())["placement"]
     assert 0 < hit <= looked
+    # What `narwhal status` and the dashboard show: the same counts, and p1's blocks.
+    assert shown["policy"] == "prefix"
+    assert shown["models"][MODEL] == {
+        "lookup_tokens": looked,
+        "hit_tokens": hit,
+        "hit_rate": hit / looked,
+    }
+    assert shown["cached_blocks"]["p1"] > 0 and shown["cached_blocks"]["p0"] == 0
 
 
 async def test_without_prefix_placement_the_same_prompts_rotate(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from narwhal.cli.operator import placement_line
 from narwhal.config import EngineConfig, Role
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.holds import Hold, HoldName
@@ -135,3 +136,37 @@ def test_handoff_and_workers() -> None:
         "control": None,
     }
     assert views.workers([{"index": 0}], 42, 9)["control"] == {"pid": 42, "snapshot_version": 9}
+
+
+def test_placement_shows_each_model_s_hit_rate_and_each_engine_s_blocks() -> None:
+    p = views.PlacementSnapshot(
+        policy="prefix",
+        cached_blocks={"p0": 120, "p1": 0},
+        lookup_tokens={"m": 1000.0, "idle": 0.0},
+        hit_tokens={"m": 930.0},
+    )
+    doc = views.placement(p)
+    assert doc["policy"] == "prefix" and doc["cached_blocks"] == {"p0": 120, "p1": 0}
+    assert doc["models"]["m"] == {"lookup_tokens": 1000.0, "hit_tokens": 930.0, "hit_rate": 0.93}
+    assert doc["models"]["idle"]["hit_rate"] is None
+    snap = replace(snapshot(row(state())), placement=p)
+    assert views.engines_document(snap)["placement"] == doc
+    assert views.dashboard(snap)["placement"] == doc
+    assert "placement" not in views.engines_document(snapshot())
+
+
+def test_narwhal_status_prints_the_placement_in_one_line() -> None:
+    line = placement_line(
+        {
+            "policy": "prefix",
+            "cached_blocks": {"p0": 120, "p1": 80},
+            "models": {"m": {"lookup_tokens": 10000.0, "hit_tokens": 9310.0, "hit_rate": 0.931}},
+        }
+    )
+    assert line == (
+        "placement: prefix; m hit rate 93.1% (9,310 of 10,000 prompt tokens); "
+        "cached blocks p0 120, p1 80"
+    )
+    assert placement_line({"policy": "least_loaded", "cached_blocks": {}, "models": {}}) == (
+        "placement: least_loaded"
+    )

@@ -106,6 +106,22 @@ def _table(engines: list[dict[str, Any]]) -> str:
     )
 
 
+def placement_line(p: dict[str, Any]) -> str:
+    """`placement: prefix; m hit rate 93.1% (9,310 of 10,000 prompt tokens); cached blocks
+    p0 120, p1 80`: the policy, each model's hit rate, each engine's blocks."""
+    parts = [f"placement: {p['policy']}"]
+    for model, x in p.get("models", {}).items():
+        rate = "-" if x["hit_rate"] is None else f"{x['hit_rate']:.1%}"
+        parts.append(
+            f"{model} hit rate {rate} ({x['hit_tokens']:,.0f} of {x['lookup_tokens']:,.0f} "
+            "prompt tokens)"
+        )
+    blocks = ", ".join(f"{e} {n}" for e, n in p.get("cached_blocks", {}).items())
+    if blocks:
+        parts.append(f"cached blocks {blocks}")
+    return "; ".join(parts)
+
+
 URL_HELP = "the router's base URL (default: $NARWHAL_URL, else http://127.0.0.1:8080)"
 TOKEN_HELP = "the admin bearer token (default: $NARWHAL_ADMIN_TOKEN)"
 
@@ -345,6 +361,8 @@ def _run(args: argparse.Namespace) -> int:
                 if risk
                 else "\nconsolidation risk: -"
             )
+            if body.get("placement"):
+                print(placement_line(body["placement"]))
             lease_status, lease = _call(args.url, args.token, "GET", "/admin/lease")
             if lease_status != 200:
                 print(f"lease: unavailable ({lease_status}: {_message(lease)})")

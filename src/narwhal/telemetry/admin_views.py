@@ -44,6 +44,30 @@ class StatsSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementSnapshot:
+    """Cache-aware placement at a glance: the policy, each engine's entries in this
+    process's index, and per model the prompt tokens looked up and found cached."""
+
+    policy: str
+    cached_blocks: Mapping[str, int]
+    lookup_tokens: Mapping[str, float]
+    hit_tokens: Mapping[str, float]
+
+
+def placement(p: PlacementSnapshot) -> dict[str, Any]:
+    """The `placement` part of `/admin/engines` and the dashboard."""
+    models = {}
+    for model, looked in sorted(p.lookup_tokens.items()):
+        hit = p.hit_tokens.get(model, 0.0)
+        models[model] = {
+            "lookup_tokens": looked,
+            "hit_tokens": hit,
+            "hit_rate": hit / looked if looked else None,
+        }
+    return {"policy": p.policy, "cached_blocks": dict(p.cached_blocks), "models": models}
+
+
+@dataclass(frozen=True, slots=True)
 class AdminSnapshot:
     router_id: str
     ready: str | None  # why /ready answers 503 (its message); None: ready
@@ -54,6 +78,7 @@ class AdminSnapshot:
     monitor: dict[str, Any]
     lease: dict[str, Any] | None  # None: no lease backend
     timeline: tuple[dict[str, Any], ...]
+    placement: PlacementSnapshot | None = None
 
 
 def engine(row: EngineRow, now: float) -> dict[str, Any]:
@@ -99,7 +124,10 @@ def engines(snap: AdminSnapshot) -> list[dict[str, Any]]:
 
 def engines_document(snap: AdminSnapshot) -> dict[str, Any]:
     """`GET /admin/engines`."""
-    return {"engines": engines(snap), "consolidation_risk": dict(snap.stats.risk)}
+    doc = {"engines": engines(snap), "consolidation_risk": dict(snap.stats.risk)}
+    if snap.placement is not None:
+        doc["placement"] = placement(snap.placement)
+    return doc
 
 
 def _window(w: Window) -> dict[str, dict[str, Any]]:
@@ -159,6 +187,7 @@ def dashboard(snap: AdminSnapshot) -> dict[str, Any]:
         "timeline": list(snap.timeline),
         "now": snap.wall,
         "engine_history": engine_history(snap.stats, snap.mono, snap.wall),
+        "placement": None if snap.placement is None else placement(snap.placement),
     }
 
 

@@ -19,6 +19,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from narwhal.telemetry.loop_lag import LAG_BUCKETS_S
@@ -482,3 +483,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + self.render_data()
+
+    def data_totals(self, family: str, label: str) -> dict[str, float]:
+        """A data-plane counter's totals by one label, as `/metrics` shows them (summed over
+        the workers): for the admin views, read at request time."""
+        totals: dict[str, float] = {}
+        text = self.render_data().decode()
+        for metric in text_string_to_metric_families(text):
+            if metric.name != family:
+                continue
+            for sample in metric.samples:
+                if sample.name == family + "_total" and label in sample.labels:
+                    key = sample.labels[label]
+                    totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
