@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,6 +40,35 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def unassigned_port() -> int:
+    """A TCP port free now and outside the kernel's ephemeral range, for a server that binds
+    it long after it is picked (vLLM binds its NIXL side channel a minute into its start):
+    an ephemeral port can meanwhile become the local end of any outgoing connection on the
+    host (CI once lost a vLLM start to that: "Address already in use"); this one only to a
+    process that binds it by number."""
+    low, high = _ephemeral_range()
+    spans = [(p, q) for p, q in ((10_000, low), (high + 1, 65_536)) if q - p > 1000]
+    rng = random.Random()
+    for _ in range(200):
+        start, end = rng.choice(spans)
+        port = rng.randrange(start, end)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port outside the ephemeral range")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _b64(text: str) -> str:
