@@ -221,7 +221,9 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
     app.router.add_get("/admin/handoff", admin_handoff)
 
     async def admin_lease(request: web.Request) -> web.StreamResponse:
-        return web.json_response(admin_views.lease(router.admin_snapshot(), with_router_id=True))
+        held = router.ownership.to_json() if router.ownership is not None else None
+        router_id = router.config.effective_router_id
+        return web.json_response(admin_views.lease(held, router_id, with_router_id=True))
 
     app.router.add_get("/admin/lease", admin_lease)
 
@@ -243,7 +245,7 @@ def add_admin_routes(app: web.Application, router: Router) -> None:
         return web.json_response(admin_views.dashboard(router.admin_snapshot()))
 
     async def admin_stats(request: web.Request) -> web.StreamResponse:
-        return web.json_response(admin_views.stats(router.admin_snapshot().stats))
+        return web.json_response(admin_views.stats(router.stats_snapshot()))
 
     app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/admin/dashboard", admin_dashboard)

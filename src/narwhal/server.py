@@ -461,8 +461,23 @@ class Router:
     def admin_snapshot(self) -> admin_views.AdminSnapshot:
         """What the admin documents are made of, taken in one go (`telemetry/admin_views`)."""
         now = self.clock.monotonic()
+        return admin_views.AdminSnapshot(
+            router_id=self.config.effective_router_id,
+            ready=self.ready(),
+            mono=now,
+            wall=self.clock.wall(),
+            engines=self._engine_rows(now),
+            stats=self.stats_snapshot(),
+            monitor=self.monitor.to_json(),
+            lease=self.ownership.to_json() if self.ownership is not None else None,
+            timeline=tuple(sample.to_json() for sample in self.timeline.samples),
+            placement=self._placement_snapshot(),
+        )
+
+    def stats_snapshot(self) -> admin_views.StatsSnapshot:
+        """The interval windows and the small-fleet stages' findings (`/admin/stats`)."""
         small = self.small
-        stats = admin_views.StatsSnapshot(
+        return admin_views.StatsSnapshot(
             interval_s=self.config.controller.interval_s,
             current=self.stats.current,
             closed=tuple(self.stats.closed),
@@ -471,18 +486,6 @@ class Router:
             drift_mode=self.config.controller.drift_mode,
             risk=small.risk,
             rebalances=tuple(small.rebalances),
-        )
-        return admin_views.AdminSnapshot(
-            router_id=self.config.effective_router_id,
-            ready=self.ready(),
-            mono=now,
-            wall=self.clock.wall(),
-            engines=self._engine_rows(now),
-            stats=stats,
-            monitor=self.monitor.to_json(),
-            lease=self.ownership.to_json() if self.ownership is not None else None,
-            timeline=tuple(sample.to_json() for sample in self.timeline.samples),
-            placement=self._placement_snapshot(),
         )
 
     def _placement_snapshot(self) -> admin_views.PlacementSnapshot:

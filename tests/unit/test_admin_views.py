@@ -106,14 +106,17 @@ def test_stats_name_the_drift_and_keep_monotonic_starts() -> None:
 
 def test_without_a_lease_backend_the_router_is_active_and_with_one_it_says_its_own() -> None:
     alone = snapshot()
-    assert views.lease(alone, with_router_id=True) == {
+    assert views.lease(alone.lease, alone.router_id, with_router_id=True) == {
         "backend": "none",
         "role": "active",
         "router_id": "r1",
     }
     assert views.dashboard(alone)["lease"] == {"backend": "none", "role": "active"}
     held = snapshot(lease={"backend": "etcd", "role": "standby"})
-    assert views.lease(held, with_router_id=True) == {"backend": "etcd", "role": "standby"}
+    assert views.lease(held.lease, held.router_id, with_router_id=True) == {
+        "backend": "etcd",
+        "role": "standby",
+    }
 
 
 def test_the_dashboard_is_one_document_of_the_snapshot() -> None:

@@ -89,6 +89,8 @@ def test_each_engine_s_queue_is_charged_what_its_recent_prefills_computed() -> N
         prefix.placed(prompt, "p1", prompt.tokens - 16)
     p1 = prefix.load(Candidate("p1", 3), clock.monotonic())
     assert p1.tokens_per_request is not None and 16 <= p1.tokens_per_request < 20
+    prefix.placed(prompt, "d0", 0, prefill=False)  # a decode leg: no prefill work charged
+    assert prefix.load(Candidate("d0", 1), clock.monotonic()).tokens_per_request is None
 
 
 def test_a_new_generation_or_a_maintenance_hold_empties_the_engine() -> None:

@@ -745,7 +745,7 @@ class DataPlane:
             if role is not Role.DECODE:
                 self._prefix_lookups(prompt.model).inc(prompt.tokens)
                 self._prefix_hits(prompt.model).inc(matched)
-            self._prefix.placed(prompt, engine_id, matched)
+            self._prefix.placed(prompt, engine_id, matched, prefill=role is not Role.DECODE)
         try:
             yield self._fleet.get(engine_id)
         finally:

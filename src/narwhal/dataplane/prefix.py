@@ -250,7 +250,9 @@ class PrefixPlacement:
         view["chosen"] = chosen
         return view
 
-    def placed(self, prompt: Prompt, engine_id: str, matched_tokens: int) -> None:
+    def placed(
+        self, prompt: Prompt, engine_id: str, matched_tokens: int, *, prefill: bool = True
+    ) -> None:
         """A prefill with the prompt's keys went to `engine_id`: speculative until its events
         confirm it, and told to the other processes."""
         now = self._clock.monotonic()
@@ -258,6 +260,8 @@ class PrefixPlacement:
             prompt.model, engine_id, prompt.keys, now, matched_tokens=matched_tokens
         )
         self._share(prompt.model, engine_id, prompt.keys)
+        if not prefill:  # a decode's queue is not charged in tokens (`score`)
+            return
         uncached = max(prompt.tokens - matched_tokens, 0)
         before = self._work.get(engine_id)
         self._work[engine_id] = (

@@ -167,13 +167,13 @@ def engine_history(s: StatsSnapshot, mono: float, wall: float) -> dict[str, Any]
     }
 
 
-def lease(snap: AdminSnapshot, with_router_id: bool) -> dict[str, Any]:
-    """`GET /admin/lease` (`with_router_id`) and the dashboard's lease: without a lease
-    backend this router is simply active."""
-    if snap.lease is not None:
-        return snap.lease
+def lease(held: dict[str, Any] | None, router_id: str, with_router_id: bool) -> dict[str, Any]:
+    """`GET /admin/lease` (`with_router_id`) and the dashboard's lease, from the lease's own
+    document (None: no lease backend, so this router is simply active)."""
+    if held is not None:
+        return held
     alone: dict[str, Any] = {"backend": "none", "role": "active"}
-    return {**alone, "router_id": snap.router_id} if with_router_id else alone
+    return {**alone, "router_id": router_id} if with_router_id else alone
 
 
 def dashboard(snap: AdminSnapshot) -> dict[str, Any]:
@@ -183,7 +183,7 @@ def dashboard(snap: AdminSnapshot) -> dict[str, Any]:
         "ready": snap.ready,
         "engines": engines(snap),
         "monitor": snap.monitor,
-        "lease": lease(snap, with_router_id=False),
+        "lease": lease(snap.lease, snap.router_id, with_router_id=False),
         "timeline": list(snap.timeline),
         "now": snap.wall,
         "engine_history": engine_history(snap.stats, snap.mono, snap.wall),
