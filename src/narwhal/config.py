@@ -151,6 +151,9 @@ class EngineConfig(_Section):
     # that approximate index (unset: placement's default).
     kv_events: KvEventsConfig | None = None
     kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    # Flow control (DESIGN §13): the engine counts as full once Narwhal has this many
+    # requests in flight on it (unset: no limit of Narwhal's own).
+    max_concurrency: PositiveInt | None = None
 
     @field_validator("url")
     @classmethod
@@ -388,22 +391,95 @@ class TlsConfig(_Section):
         return self.cert_file is not None
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # vLLM's is an int; Narwhal's fits 32 bits
+DEFAULT_POLICY = "default"
+_KEY_LABEL = re.compile(r"^[0-9a-f]{12}$")
+
+
+class KeyPolicy(_Section):
+    """One client key's share under flow control (DESIGN §13, docs/flow.md): its requests'
+    priority when the body gives none (lower first), its weight among the clients of a
+    priority, and its rate limits (unset: none)."""
+
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    weight: PositiveFloat = 1.0
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+
+
 class AuthConfig(_Section):
-    """Client keys for `/v1/*` (docs/edge.md): either source, or both."""
+    """Client keys for `/v1/*` (docs/edge.md): either source, or both; and each key's flow
+    policy, by the key's label (no secret in the config), with a `default` entry."""
 
     api_keys_env: str | None = Field(default=None, min_length=1)
     api_keys_file: str | None = Field(default=None, min_length=1)
     protect_metrics: bool = False
+    key_policies: dict[str, KeyPolicy] = Field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
         return self.api_keys_env is not None or self.api_keys_file is not None
 
+    def policy_for(self, label: str | None) -> KeyPolicy:
+        """The policy of the key labelled `label` (None: keys are off): its own entry, else
+        the `default` entry, else the defaults."""
+        policies = self.key_policies
+        own = policies.get(label) if label is not None else None
+        return own or policies.get(DEFAULT_POLICY) or _NO_POLICY
+
+    @field_validator("key_policies", mode="before")
+    @classmethod
+    def _label_keys(cls, value: Any) -> Any:
+        """YAML reads an all-digit label as a number: its digits are the label."""
+        if isinstance(value, Mapping):
+            return {str(k) if type(k) is int else k: v for k, v in value.items()}
+        return value
+
+    @field_validator("key_policies")
+    @classmethod
+    def _labels(cls, value: dict[str, KeyPolicy]) -> dict[str, KeyPolicy]:
+        for label in value:
+            if label != DEFAULT_POLICY and not _KEY_LABEL.match(label):
+                raise ValueError(
+                    f"{label!r} is neither default nor a key label (the first 12 hex digits, "
+                    "lower case, of the key's SHA-256; quote it in YAML)"
+                )
+        return value
+
     @model_validator(mode="after")
     def _sources(self) -> Self:
         if self.protect_metrics and not self.enabled:
             raise ValueError("protect_metrics: needs api_keys_env or api_keys_file")
+        if not self.enabled:
+            for label, policy in self.key_policies.items():
+                if label != DEFAULT_POLICY:
+                    raise ValueError(
+                        f"key_policies: {label!r} names a client key, but there are none "
+                        "(set api_keys_env or api_keys_file)"
+                    )
+                for limit in ("requests_per_minute", "tokens_per_minute"):
+                    if getattr(policy, limit) is not None:
+                        raise ValueError(
+                            f"key_policies.default.{limit}: rate limits are per client key, "
+                            "and there are none (set api_keys_env or api_keys_file)"
+                        )
         return self
+
+
+_NO_POLICY = KeyPolicy()
+
+
+class FlowConfig(_Section):
+    """Flow control (DESIGN §13, docs/flow.md): when every eligible engine of a role is full,
+    requests wait in Narwhal's one queue, ordered by priority and fair shares."""
+
+    # Unset: on under serving.policy bounded, off under single_attempt (`Config.flow_on`).
+    enabled: bool | None = None
+    queue_limit: NonNegativeInt = 1024  # waiting requests, the whole router
+    # How long a request may wait to start; unset, 30 s or serving.request_timeout_s if less.
+    max_wait_s: PositiveFloat = 30.0
+    engine_waiting_max: NonNegativeInt = 8  # an engine's own queue beyond this: full
+    engine_kv_usage_max: float = Field(default=0.95, gt=0.0, le=1.0)  # KV cache beyond: full
 
 
 class TracingConfig(_Section):
@@ -592,6 +668,7 @@ class Config(_Section):
     tls: TlsConfig = TlsConfig()
     tracing: TracingConfig = TracingConfig()
     placement: PlacementConfig = PlacementConfig()
+    flow: FlowConfig = FlowConfig()
 
     @field_validator("engines", mode="before")
     @classmethod
@@ -647,6 +724,7 @@ class Config(_Section):
                 )
             if workers > self.serving.max_connections:
                 raise ValueError("serving.workers: exceeds serving.max_connections")
+        self._flow()
         roles = {e.role for e in self.engines} | {d.role for d in self.discovery.dns}
         roles &= GENERATIVE  # a router of embed engines alone serves embeddings alone
         # A discovery file may bring any role: /ready judges the fleet once it is read.
@@ -659,6 +737,27 @@ class Config(_Section):
             missing = ({Role.PREFILL, Role.DECODE} - roles).pop()
             raise ValueError(f"engines: no engine has role {missing.value}")
         return self
+
+    def _flow(self) -> None:
+        """No wait past the request's own timeout (DESIGN §13): a `flow.max_wait_s` given
+        above it is refused, the default is lowered to it."""
+        flow, timeout_s = self.flow, self.serving.request_timeout_s
+        if flow.max_wait_s <= timeout_s:
+            return
+        if "max_wait_s" in flow.model_fields_set:
+            raise ValueError(
+                f"flow.max_wait_s: {flow.max_wait_s:g} exceeds serving.request_timeout_s "
+                f"({timeout_s:g}); a request cannot wait past its own timeout"
+            )
+        # A copy: the section may be the shared default instance.
+        object.__setattr__(self, "flow", flow.model_copy(update={"max_wait_s": timeout_s}))
+
+    @property
+    def flow_on(self) -> bool:
+        """Whether flow control runs: `flow.enabled`, else on under `bounded` (DESIGN §13)."""
+        if self.flow.enabled is not None:
+            return self.flow.enabled
+        return self.serving.policy == "bounded"
 
     @property
     def fleet_api(self) -> str:
