@@ -823,6 +823,25 @@ async def test_cut_off_drops_the_connection_at_once() -> None:
 # ------------------------------------------------------------------ limits, the edges
 
 
+async def test_a_head_of_many_small_headers_over_64_kib_in_one_read_is_refused() -> None:
+    """The head's pieces are summed as the parser hands them over and judged once the head
+    is whole: 3,000 short headers (about 75 KiB, every line ended, sent at once) are a head
+    over 64 KiB like one long header, refused with `431` before any handler runs."""
+    called: list[str] = []
+
+    async def handler(request: ServerRequest) -> None:
+        called.append(request.path)
+        request.respond(200, b"ok", "text/plain")
+
+    headers = [f"X-H{i}: {'v' * 16}" for i in range(3000)]
+    async with serving({"/v1/models": {"GET": handler}}) as (_, port), connect(port) as client:
+        client.send(get("/v1/models", *headers))
+        reply = await client.reply()
+        assert await client.until_closed() == b""
+    assert_openai_error(reply, 431, "invalid_request_error")
+    assert called == []
+
+
 async def test_a_head_that_grows_past_64_kib_is_refused_before_it_ends() -> None:
     """A client that sends one header value that never ends (a slowloris with memory):
     once its head is over 64 KiB it is refused with `431` and closed, as any head over

@@ -340,6 +340,10 @@ def test_the_connection_follows_its_tables(case: Case) -> None:
     result: object = None
     for step in case.steps:
         result = step(c)
+        # the flags the shell reads stay what the inbound state says, after every step
+        assert c.closed == (c.inbound is In.CLOSED)
+        assert c.discarding == (c.inbound is In.DISCARD)
+        assert c.closing == (c.inbound in (In.CLOSED, In.DISCARD))
     assert (c.inbound, c.outbound) == (case.inbound, case.outbound)
     assert result == case.result
     assert c.deadline() == case.deadline

@@ -21,7 +21,7 @@ migrate, the splice's rewrite); transitions happen a few times per stream.
 from __future__ import annotations
 
 import logging
-from enum import Enum
+from enum import Enum, StrEnum
 
 from narwhal.dataplane.migration import Splice
 from narwhal.dataplane.sse import SseScanner
@@ -29,7 +29,7 @@ from narwhal.dataplane.sse import SseScanner
 log = logging.getLogger("narwhal.relay")
 
 
-class Phase(Enum):
+class Phase(StrEnum):  # a str: hashed and logged in C
     WAITING = "waiting"  # no byte reached the client yet
     RELAYING = "relaying"
     DONE = "done"  # `[DONE]` reached the client
@@ -91,7 +91,7 @@ class Relay:
         """The one transition function."""
         if phase not in TRANSITIONS[self.phase]:
             raise IllegalTransition(f"relay {self.phase.value} -> {phase.value} ({reason})")
-        log.debug("relay %s -> %s (%s)", self.phase.value, phase.value, reason)
+        log.debug("relay %s -> %s (%s)", self.phase, phase, reason)
         self.phase = phase
 
     def feed(self, chunk: bytes) -> bytes:

@@ -94,7 +94,7 @@ class Streams:
                         now = time.perf_counter()
                         if out:
                             try:
-                                if relay.sent():
+                                if not relay.started and relay.sent():
                                     attempt.started = True
                                     watch.started()
                                     legs.stats.latency(engine.id, now - leg_start)

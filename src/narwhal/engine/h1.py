@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, cast
 from urllib.parse import urlsplit
@@ -334,10 +334,9 @@ class EngineResponse:
         self.status = connection.status
         self.content_type = connection.content_type or "application/octet-stream"
         self._done = False
-
-    async def readany(self) -> bytes:
-        """The body bytes that arrived since the last call (waiting for some); b"" at its end."""
-        return await self._connection.body.read_some()
+        # The body bytes that arrived since the last call (waiting for some); b"" at its
+        # end. The buffer's own method: a stream calls it for every chunk.
+        self.readany: Callable[[], Awaitable[bytes]] = connection.body.read_some
 
     async def read(self) -> bytes:
         body = self._connection.body

@@ -197,6 +197,9 @@ class EngineClient:
     ) -> Reply:
         """POST and read the whole reply; raises EngineFailure on transport trouble."""
         try:
+            if pool is PoolKind.DATA:  # every leg's path: no control slot, one frame fewer
+                async with asyncio.timeout(timeout_s):
+                    return await self._request(pool, "POST", url, body, headers)
             return await self._bounded(pool, "POST", url, body, headers, timeout_s)
         except (TimeoutError, OSError) as exc:
             raise classify_exception(exc, timeout_class) from None

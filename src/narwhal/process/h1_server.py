@@ -385,17 +385,24 @@ class ServerConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         self._url = b""
+        self._head_bytes = 0
         self._in_trailers = False
         self.state.begin(self.loop.time())
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count(len(url))
+        self._head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
         if self._in_trailers:
-            return  # trailer fields are never merged into the head (RFC 9110 §6.5.1)
+            # Trailer fields are never merged into the head (RFC 9110 §6.5.1), but they
+            # count against its limit as they come: a body's trailers are not raw-counted.
+            self._count(len(name) + len(value) + 4)
+            return
+        # A head's pieces are summed here and judged once it is whole (`on_headers_complete`):
+        # one read hands the parser a bounded number of bytes, and a head still incomplete
+        # is bounded on its raw size (`Connection.parsed`).
+        self._head_bytes += len(name) + len(value) + 4
         if self._parsing is None:
             self._parsing = self._new_request()
         key = name.decode("latin-1").lower()
@@ -409,6 +416,7 @@ class ServerConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         request = self._parsing or self._new_request()
         self._parsing = request
+        self._count(self._head_bytes)
         bad = _framing_refusal(request.headers, self._parser.get_http_version())
         if bad is not None:
             raise _Refused(self.state.refuse(400, "malformed", bad, self.loop.time()))

@@ -142,6 +142,10 @@ class Connection:
     def __init__(self, limits: Limits, now: float) -> None:
         self.limits = limits
         self.inbound = In.HEAD  # the first head's clock runs from the accept
+        # Read on every event by the shell: kept as attributes by `_in`, not properties.
+        self.closed = False
+        self.discarding = False
+        self.closing = False  # no further request will be read on this connection
         self.outbound = Out.IDLE
         self._since = now  # when the current timed phase began
         self._last_read = now
@@ -158,9 +162,12 @@ class Connection:
     # ---------------------------------------------------------------- transitions
     def _in(self, event: Event) -> None:
         try:
-            self.inbound = IN_TABLE[self.inbound, event]
+            inbound = self.inbound = IN_TABLE[self.inbound, event]
         except KeyError:
             raise ProtocolError(f"inbound {self.inbound}: {event}") from None
+        self.closed = inbound is In.CLOSED
+        self.discarding = inbound is In.DISCARD
+        self.closing = self.closed or self.discarding
 
     def _out(self, event: Event) -> None:
         try:
@@ -169,23 +176,10 @@ class Connection:
             raise ProtocolError(f"outbound {self.outbound}: {event}") from None
 
     @property
-    def closed(self) -> bool:
-        return self.inbound is In.CLOSED
-
-    @property
-    def discarding(self) -> bool:
-        return self.inbound is In.DISCARD
-
-    @property
     def answer_pending(self) -> bool:
         """Refused while its handler runs: nothing more is read until it has answered (the
         rest of the body, dropped meanwhile, would use up the linger before the answer)."""
         return self.inbound is In.DISCARD and self.outbound in (Out.HANDLER, Out.STREAMING)
-
-    @property
-    def closing(self) -> bool:
-        """No further request will be read on this connection."""
-        return self.inbound is In.DISCARD or self.inbound is In.CLOSED
 
     def data(self, size: int, now: float) -> None:
         """Bytes arrived (before the parser sees them)."""
