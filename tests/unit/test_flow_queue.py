@@ -253,8 +253,15 @@ class Reference:
             self.counter[e.client] = self.c(e.client) + e.tokens / self.weight[e.client]
         return e
 
+    def queued(self, client: str) -> float:
+        return sum(e.tokens / self.weight[client] for e, _ in self.waiting if e.client == client)
+
+    def served(self, client: str) -> float:
+        """What shedding ranks by: the counter plus what the client has waiting."""
+        return self.c(client) + self.queued(client)
+
     def worst(self) -> tuple[Entry, int]:
-        return max(self.waiting, key=lambda p: (p[0].priority, self.c(p[0].client), p[1]))
+        return max(self.waiting, key=lambda p: (p[0].priority, self.served(p[0].client), p[1]))
 
     def admit(self, e: Entry, now: float) -> tuple[bool, str | None]:
         if e.deadline <= now:
@@ -264,7 +271,8 @@ class Reference:
             if not self.waiting:
                 return False, e.id
             w, _ = self.worst()
-            if (e.priority, self.lifted(e.client)) >= (w.priority, self.c(w.client)):
+            mine = self.lifted(e.client) + self.queued(e.client) + e.tokens / self.weight[e.client]
+            if (e.priority, mine) >= (w.priority, self.served(w.client)):
                 return False, e.id
             shed = self.take(w).id
         self.counter[e.client] = self.lifted(e.client)

@@ -6,7 +6,10 @@ the least virtual token counter (`vtc.py`); within a client, first come first se
 entry belongs to a `group` (the engines it needs, such as its model): `next_start(group)` only
 looks at that group's entries, so a full model does not hold up another. `limit` bounds the
 whole queue: a full queue refuses its worst entry, the highest priority number, then the
-most-served client, then that client's newest entry; the newcomer itself when it is no better.
+most-served client counting what it has waiting (its counter plus its waiting requests'
+tokens: the virtual finish of its newest), then that client's newest entry; the newcomer itself
+when it is no better. So a client that fills the queue loses its own newest requests, never a
+client with one request waiting.
 An entry that can no longer start before its `deadline` is taken out by `expire(now)`.
 
 Every operation is O(log n) amortised, with ties broken by arrival: the same calls give the
@@ -57,7 +60,8 @@ class WaitQueue:
         self.limit = limit
         self.counters = VirtualCounters(weight)
         self._seq = 0
-        self._waiting: dict[str, tuple[Entry, int]] = {}
+        self._waiting: dict[str, tuple[Entry, int, float]] = {}  # entry, seq, its cost
+        self._queued: dict[str, float] = {}  # per client: its waiting entries' costs
         self._lanes: dict[_Lane, OrderedDict[str, int]] = {}
         self._client_lanes: dict[str, set[_Lane]] = {}
         self._starts: dict[_Level, KeyedHeap[str]] = {}  # clients by (counter, head's seq)
@@ -75,8 +79,8 @@ class WaitQueue:
 
     def __iter__(self) -> Iterator[Entry]:
         """The waiting entries, in arrival order."""
-        ordered = sorted(self._waiting.values(), key=lambda pair: pair[1])
-        return iter([entry for entry, _ in ordered])
+        ordered = sorted(self._waiting.values(), key=lambda waiting: waiting[1])
+        return iter([waiting[0] for waiting in ordered])
 
     def get(self, entry_id: str) -> Entry | None:
         found = self._waiting.get(entry_id)
@@ -164,7 +168,10 @@ class WaitQueue:
     # ---------------------------------------------------------------- bookkeeping
     def _newcomer_rank(self, entry: Entry) -> tuple[float, ...]:
         """The newcomer's shed rank, as if it were waiting (newest of all: it loses ties)."""
-        return (-entry.priority, -self.counters.lifted(entry.client), -(self._seq + 1))
+        client = entry.client
+        served = self.counters.lifted(client) + self._queued.get(client, 0.0)
+        served += entry.tokens / self.counters.weight(client)
+        return (-entry.priority, -served, -(self._seq + 1))
 
     def _shed_worst(self) -> Entry:
         """Take out the worst waiting entry: the newest of the worst lane."""
@@ -185,15 +192,18 @@ class WaitQueue:
             ids = self._lanes[lane] = OrderedDict()
             self._client_lanes[client].add(lane)
         ids[entry.id] = seq
-        self._waiting[entry.id] = (entry, seq)
+        cost = entry.tokens / self.counters.weight(client)
+        self._waiting[entry.id] = (entry, seq, cost)
+        self._queued[client] = self._queued.get(client, 0.0) + cost
         self._deadlines.set(entry.id, (entry.deadline, seq))
         self._depth[entry.priority] = self._depth.get(entry.priority, 0) + 1
         self._levels.setdefault(entry.group, KeyedHeap()).set(entry.priority, (entry.priority,))
-        self._rank_lane(lane)
+        self._rerank(client)
 
     def _take(self, entry_id: str, charge: bool = False) -> Entry:
-        entry, _ = self._waiting.pop(entry_id)
+        entry, _, cost = self._waiting.pop(entry_id)
         client = entry.client
+        self._queued[client] -= cost
         lane = (entry.group, entry.priority, client)
         ids = self._lanes[lane]
         del ids[entry_id]
@@ -207,11 +217,7 @@ class WaitQueue:
             self._drop_lane(lane)
         if charge:
             self.counters.charge(client, entry.tokens)
-        if client in self._client_lanes:
-            if charge:
-                self._rerank(client)
-            elif ids:
-                self._rank_lane(lane)
+        self._rerank(client)
         return entry
 
     def _drop_lane(self, lane: _Lane) -> None:
@@ -231,6 +237,7 @@ class WaitQueue:
         lanes.discard(lane)
         if not lanes:
             del self._client_lanes[client]
+            del self._queued[client]
             self.counters.leave(client)
 
     def _rerank(self, client: str) -> None:
@@ -244,4 +251,8 @@ class WaitQueue:
         head = ids[next(iter(ids))]
         tail = ids[next(reversed(ids))]
         self._starts.setdefault((group, priority), KeyedHeap()).set(client, (counter, head))
-        self._shed.set(lane, (-priority, -counter, -tail))
+        # Shedding counts what the client has waiting too: its service once all of it has
+        # started (the virtual finish of its newest request). A client with one request
+        # waiting is not refused for a client that fills the queue.
+        served = counter + self._queued[client]
+        self._shed.set(lane, (-priority, -served, -tail))
