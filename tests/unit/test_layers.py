@@ -24,6 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "telemetry": {"clock", "config", "engine", "fleet"},
     "discovery": {"clock", "config"},
     "placement": {"clock", "config"},
+    # Flow control's pure decisions (DESIGN §13): the engines' scraped load is placement's.
+    "flow": {"clock", "config", "placement"},
     "control": {
         "clock",
         "config",
