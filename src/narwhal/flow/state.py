@@ -1,0 +1,419 @@
+"""Flow control's one decision loop (DESIGN §13), as a state and a step: an event in, the
+answers to send out. Pure: `now` and the fleet's room are passed in, nothing is sent here.
+
+The control process keeps one `FlowState` for the whole router. A data plane `Ask`s for each
+request; the step answers `Start` (go: placement picks the engines) or `Refuse` (answer now),
+at once or later, from a pass run after every event: deadlines first, then, per group (a
+model), the queue's next entries while both roles have room. Room is the engines' free slots
+(`free_slots`) less the grants whose legs are not placed yet (`Begun` counts a leg placed), so
+a burst of asks is not granted past `engines[].max_concurrency` before the data plane's
+in-flight counts show it. A request is known here from its ask to its `Done` (or `Withdraw`,
+or its worker's loss): rate-limit settlement and output-token charges happen at `Done`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from narwhal.config import KeyPolicy
+from narwhal.flow.queue import Entry, WaitQueue
+from narwhal.flow.ratelimit import Limits, RateLimiter
+from narwhal.flow.reasons import ShedReason
+from narwhal.flow.saturation import EngineView, FlowLimits, full_reason
+
+RETRY_AFTER_MAX_S = 60
+_RATE_WINDOW = 64  # starts remembered for the recent start rate
+
+
+# ---------------------------------------------------------------- events in
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A request asks to start. `group` is its model; `client` whose fair share it is (the
+    key's label, else the tenant header, else ""); `key` its rate-limit key (None: none);
+    `tokens` what its start charges (prompt tokens, estimated when not counted);
+    `rate_tokens` what the rate limit takes (prompt plus `max_tokens`); `wait_s` how long it
+    may still wait; `queue` whether flow control orders it (else only its rate limit)."""
+
+    id: str
+    group: str
+    client: str
+    key: str | None
+    priority: int
+    tokens: int
+    rate_tokens: int
+    wait_s: float
+    queue: bool = True
+    worker: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """A granted request placed its leg of `role` (`prefill`, `decode` or `both`): the data
+    plane's in-flight count has it from now on."""
+
+    id: str
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A started request ended; `output_tokens` served (None: not known)."""
+
+    id: str
+    output_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """The client left (or its worker drains) before the request ended."""
+
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLost:
+    """A worker exited: its requests are gone, waiting or running."""
+
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Something outside changed (a scrape, the fleet, the clock): run the pass."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """This router no longer admits (the lease lost, the monitor closed admission): every
+    waiting request is answered 503 now; the rate-limit buckets are dropped."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resize:
+    """A reload: the queue's new limit (what it sheds is answered)."""
+
+    limit: int
+
+
+FlowEvent = Ask | Begun | Done | Withdraw | WorkerLost | Tick | Fence | Resize
+
+
+# ---------------------------------------------------------------- answers out
+@dataclass(frozen=True, slots=True)
+class Start:
+    id: str
+    worker: int
+    priority: int
+    waited_s: float
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer the request now: `status` (429 or 503), OpenAI's error `type` and `code`,
+    `Retry-After` (None: none, e.g. a request larger than its key's whole limit), and the
+    `x-ratelimit-*` headers. `reason` is a `ShedReason` value, or `not_admitted`."""
+
+    id: str
+    worker: int
+    status: int
+    reason: str
+    message: str
+    retry_after_s: int | None
+    headers: Mapping[str, str]
+    priority: int
+    waited_s: float = 0.0
+
+    @property
+    def error_type(self) -> str:
+        if self.status == 503:
+            return "service_unavailable"
+        return "tokens" if self.reason == ShedReason.TOKENS_PER_MINUTE else "requests"
+
+    @property
+    def code(self) -> str:
+        return "not_admitted" if self.status == 503 else "rate_limit_exceeded"
+
+
+FlowEffect = Start | Refuse
+
+
+# ---------------------------------------------------------------- room
+def free_slots(engines: Iterable[EngineView], limits: FlowLimits) -> float:
+    """A role's free slots: over its engines with room, `max_concurrency - in_flight`
+    (infinite for one without a limit); 0 when none has room."""
+    free = 0.0
+    for engine in engines:
+        if full_reason(engine, limits) is not None:
+            continue
+        if engine.max_concurrency is None:
+            return math.inf
+        free += engine.max_concurrency - engine.in_flight
+    return free
+
+
+Room = Callable[[str], Mapping[str, float]]
+"""A group's free slots by role (`free_slots` of each role it needs); an empty mapping when
+a role has no eligible engine (the request then starts, and the data plane answers it)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    ask: Ask
+    limits: Limits
+    waiting: bool
+    enqueued_at: float
+    unplaced: set[str] = field(default_factory=set)  # roles granted, not yet placed
+
+
+class FlowState:
+    """The router's queue, rate limits and grants. `policy_for` gives a key's policy
+    (weights and limits, re-read on reload)."""
+
+    def __init__(self, limit: int, policy_for: Callable[[str | None], KeyPolicy]) -> None:
+        self.policy_for = policy_for
+        self.queue = WaitQueue(limit, lambda client: self.policy_for(client or None).weight)
+        self.limiter = RateLimiter()
+        self._held: dict[str, _Held] = {}
+        self._waiting_groups: dict[str, int] = {}
+        self._unplaced: dict[tuple[str, str], int] = {}  # (group, role): grants not placed
+        self._starts: deque[float] = deque(maxlen=_RATE_WINDOW)
+
+    # ---------------------------------------------------------------- reading
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
+    def __len__(self) -> int:
+        """Requests known: waiting or started and not done."""
+        return len(self._held)
+
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def unplaced(self, group: str, role: str) -> int:
+        return self._unplaced.get((group, role), 0)
+
+    def next_deadline(self) -> float | None:
+        return self.queue.next_deadline()
+
+    # ---------------------------------------------------------------- the step
+    def step(self, event: FlowEvent, now: float, room: Room) -> list[FlowEffect]:
+        """Apply `event` at `now`, then run the pass; the answers to send, in order."""
+        out: list[FlowEffect] = []
+        match event:
+            case Ask():
+                self._ask(event, now, room, out)
+            case Begun(id=request_id, role=role):
+                held = self._held.get(request_id)
+                if held is not None and role in held.unplaced:
+                    held.unplaced.discard(role)
+                    self._placed(held.ask.group, role)
+            case Done():
+                self._done(event, now)
+            case Withdraw(id=request_id):
+                held = self._forget(request_id)
+                if held is not None and held.ask.key is not None:  # its tokens back
+                    self.limiter.settle(held.ask.key, held.limits, held.ask.rate_tokens, 0, now)
+            case WorkerLost(worker=worker):
+                for request_id in [i for i, h in self._held.items() if h.ask.worker == worker]:
+                    self._forget(request_id)
+            case Fence(reason=reason):
+                for entry in self.queue.drain():
+                    held = self._forget(entry.id, waiting_taken=True)
+                    assert held is not None
+                    out.append(self._fenced(held, reason, now))
+                self.limiter = RateLimiter()
+            case Resize(limit=limit):
+                for entry in self.queue.resize(limit):
+                    out.append(self._shed(entry, ShedReason.QUEUE_FULL, now))
+            case Tick():
+                pass
+        self._pass(now, room, out)
+        return out
+
+    def prune(self, now: float) -> None:
+        """Forget full buckets and idle counters (run now and then: clients come and go)."""
+        self.limiter.prune(now, lambda key: Limits.of(self.policy_for(key)))
+        self.queue.counters.prune()
+
+    # ---------------------------------------------------------------- asking
+    def _ask(self, ask: Ask, now: float, room: Room, out: list[FlowEffect]) -> None:
+        if ask.id in self._held:
+            return  # asked twice: the first ask stands
+        limits = Limits()
+        headers: Mapping[str, str] = {}
+        if ask.key is not None:
+            limits = Limits.of(self.policy_for(ask.key))
+            verdict = self.limiter.check(ask.key, limits, ask.rate_tokens, now)
+            headers = verdict.headers
+            if not verdict.allowed:
+                assert verdict.reason is not None
+                out.append(self._limited(ask, verdict.reason, verdict.retry_after_s, headers))
+                return
+        held = _Held(ask, limits, waiting=False, enqueued_at=now)
+        if not ask.queue:
+            self._held[ask.id] = held
+            out.append(Start(ask.id, ask.worker, ask.priority, 0.0, headers))
+            return
+        group = ask.group
+        if not self.queue.has_waiting(group) and self._has_room(group, room):
+            self._held[ask.id] = held
+            self.queue.counters.charge(ask.client, ask.tokens)
+            out.append(self._grant(held, room, now, headers))
+            return
+        entry = Entry(ask.id, ask.client, ask.priority, ask.tokens, now, now + ask.wait_s, group)
+        admission = self.queue.admit(entry, now)
+        if not admission.accepted:
+            if ask.key is not None:  # refused after the rate limit took its share
+                self.limiter.settle(ask.key, limits, ask.rate_tokens, 0, now)
+            assert admission.reason is not None
+            out.append(self._shed_newcomer(ask, admission.reason, now))
+            return
+        held.waiting = True
+        self._held[ask.id] = held
+        self._waiting_groups[group] = self._waiting_groups.get(group, 0) + 1
+        if admission.shed is not None:
+            out.append(self._shed(admission.shed, ShedReason.QUEUE_FULL, now))
+
+    # ---------------------------------------------------------------- the pass
+    def _pass(self, now: float, room: Room, out: list[FlowEffect]) -> None:
+        for entry in self.queue.expire(now):
+            out.append(self._shed(entry, ShedReason.DEADLINE, now))
+        for group in list(self._waiting_groups):
+            while self._has_room(group, room):
+                head = self.queue.next_start(group)
+                if head is None:
+                    break
+                held = self._held[head.id]
+                self._left_queue(held)
+                out.append(self._grant(held, room, now, {}))
+
+    def _has_room(self, group: str, room: Room) -> bool:
+        return all(free > self.unplaced(group, role) for role, free in room(group).items())
+
+    def _grant(self, held: _Held, room: Room, now: float, headers: Mapping[str, str]) -> Start:
+        group = held.ask.group
+        for role in room(group):
+            held.unplaced.add(role)
+            self._unplaced[(group, role)] = self.unplaced(group, role) + 1
+        self._starts.append(now)
+        waited = now - held.enqueued_at
+        return Start(held.ask.id, held.ask.worker, held.ask.priority, waited, headers)
+
+    def _placed(self, group: str, role: str) -> None:
+        key = (group, role)
+        left = self._unplaced.get(key, 0) - 1
+        if left > 0:
+            self._unplaced[key] = left
+        else:
+            self._unplaced.pop(key, None)
+
+    # ---------------------------------------------------------------- ending
+    def _done(self, done: Done, now: float) -> None:
+        held = self._forget(done.id)
+        if held is None:
+            return
+        ask = held.ask
+        if ask.queue and done.output_tokens:
+            self.queue.charge(ask.client, done.output_tokens)
+        if ask.key is not None and done.output_tokens is not None:
+            used = done.output_tokens + (done.prompt_tokens or ask.tokens)
+            self.limiter.settle(ask.key, held.limits, ask.rate_tokens, used, now)
+
+    def _forget(self, request_id: str, waiting_taken: bool = False) -> _Held | None:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return None
+        if held.waiting:
+            if not waiting_taken:
+                self.queue.remove(request_id)
+            self._left_queue(held)
+        for role in held.unplaced:
+            self._placed(held.ask.group, role)
+        held.unplaced.clear()
+        return held
+
+    def _left_queue(self, held: _Held) -> None:
+        held.waiting = False
+        group = held.ask.group
+        left = self._waiting_groups[group] - 1
+        if left:
+            self._waiting_groups[group] = left
+        else:
+            del self._waiting_groups[group]
+
+    # ---------------------------------------------------------------- refusals
+    def retry_after_s(self, now: float) -> int:
+        """How long the queue takes to start what waits, at the recent start rate (1 to
+        `RETRY_AFTER_MAX_S`; 1 with no start seen)."""
+        starts = self._starts
+        if len(starts) < 2 or now <= starts[0]:
+            return 1
+        rate = len(starts) / (now - starts[0])
+        seconds = math.ceil(len(self.queue) / rate) if rate > 0 else RETRY_AFTER_MAX_S
+        return max(1, min(RETRY_AFTER_MAX_S, seconds))
+
+    def _shed(self, entry: Entry, reason: ShedReason, now: float) -> Refuse:
+        """A waiting entry refused (the queue took it out already)."""
+        held = self._forget(entry.id, waiting_taken=True)
+        assert held is not None
+        if held.ask.key is not None:
+            self.limiter.settle(held.ask.key, held.limits, held.ask.rate_tokens, 0, now)
+        return Refuse(
+            entry.id, held.ask.worker, 429, reason, _MESSAGES[reason],
+            self.retry_after_s(now), {}, entry.priority, now - entry.enqueued_at,
+        )  # fmt: skip
+
+    def _shed_newcomer(self, ask: Ask, reason: ShedReason, now: float) -> Refuse:
+        return Refuse(
+            ask.id, ask.worker, 429, reason, _MESSAGES[reason], self.retry_after_s(now), {},
+            ask.priority,
+        )  # fmt: skip
+
+    def _limited(
+        self, ask: Ask, reason: ShedReason, retry_after_s: int | None, headers: Mapping[str, str]
+    ) -> Refuse:
+        kind = "requests" if reason == ShedReason.REQUESTS_PER_MINUTE else "tokens"
+        policy = self.policy_for(ask.key)
+        limit = (
+            policy.requests_per_minute
+            if reason == ShedReason.REQUESTS_PER_MINUTE
+            else policy.tokens_per_minute
+        )
+        if retry_after_s is None:
+            message = (
+                f"Request too large: it needs {ask.rate_tokens} tokens, and this key's limit "
+                f"is {limit} tokens per minute (prompt plus max_tokens)."
+            )
+        else:
+            message = (
+                f"Rate limit reached for {kind} per minute: limit {limit}. "
+                f"Please try again in {retry_after_s}s."
+            )
+        return Refuse(
+            ask.id, ask.worker, 429, reason, message, retry_after_s, headers, ask.priority
+        )
+
+    def _fenced(self, held: _Held, reason: str, now: float) -> Refuse:
+        if held.ask.key is not None:
+            self.limiter.settle(held.ask.key, held.limits, held.ask.rate_tokens, 0, now)
+        return Refuse(
+            held.ask.id, held.ask.worker, 503, "not_admitted",
+            f"not admitting requests: {reason}", 1, {}, held.ask.priority,
+            now - held.enqueued_at,
+        )  # fmt: skip
+
+
+_MESSAGES = {
+    ShedReason.QUEUE_FULL: "The server is overloaded: the queue is full. Please retry later.",
+    ShedReason.DEADLINE: (
+        "The server is overloaded: the request could not start within its wait limit. "
+        "Please retry later."
+    ),
+}
