@@ -9,7 +9,7 @@ each prompt once and every completion. A client `seed` gives sample j the seed `
 the n samples differ as vLLM's do. Only whole answers are merged: a streamed request with
 several choices is refused when it is parsed.
 
-Pure: `split` and `merge`; the data plane runs the parts (`DataPlane._fan_out`).
+Pure: `split` and `merge`; `fanout_runner.FanOut` runs the parts.
 """
 
 from __future__ import annotations
