@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from narwhal.engine.h1 import BodyBuffer
+from narwhal.h1_body import BodyBuffer
 
 
 class FakeReading:

@@ -10,7 +10,7 @@ no more:
   `Accept-Encoding: identity` added: the router relays and parses raw bytes);
 - the answer's status and content type, then its body whole (`read`) or piece by piece as it
   arrives (`readany`), with back-pressure: reading pauses while a reader lags far behind
-  (`BodyBuffer`, written to serve a server's request bodies as well);
+  (`h1_body.BodyBuffer`, which the client server's request bodies use as well);
 - bodies framed by `Content-Length`, chunked, or ended by the engine closing (HTTP/1.0 style);
 - keep-alive reuse, and one bound on open sockets, idle ones included: before a new socket
   opens, the oldest idle ones (of any engine) are closed until it fits. With data-plane worker
@@ -41,8 +41,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from narwhal.h1_body import BodyBuffer
+
 _MAX_HEAD_BYTES = 64 * 1024
-_HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the engine pauses
 IDLE_S = 4.0
 _NO_BODY = frozenset({204, 304})
 # Another process that closes a socket cannot wake a waiter here: it looks again this often.
@@ -79,92 +80,6 @@ class EngineConnectionLost(ConnectionError):
 
 class EngineProtocolError(ConnectionError):
     """The engine's answer is not HTTP/1.1 this client can read."""
-
-
-class BodyBuffer:
-    """One message's body as it arrives, read in pieces, with flow control: once more than
-    `high_water` bytes wait unread, `pause` is called (the protocol stops reading its socket),
-    and `resume` once a reader has taken them. The end is `finish`, or `fail` with the error
-    readers then get. Nothing here touches a socket, so any protocol can own one."""
-
-    __slots__ = (
-        "_buffered",
-        "_error",
-        "_high_water",
-        "_loop",
-        "_pause",
-        "_pieces",
-        "_resume",
-        "_waiter",
-        "complete",
-        "paused",
-    )
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        pause: Callable[[], None],
-        resume: Callable[[], None],
-        high_water: int = _HIGH_WATER,
-    ) -> None:
-        self._loop = loop
-        self._pause = pause
-        self._resume = resume
-        self._high_water = high_water
-        self._pieces: deque[bytes] = deque()
-        self._buffered = 0
-        self.paused = False
-        self.complete = False
-        self._error: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    @property
-    def empty(self) -> bool:
-        return not self._pieces
-
-    def feed(self, data: bytes) -> None:
-        self._pieces.append(data)
-        self._buffered += len(data)
-        if self._buffered > self._high_water and not self.paused:
-            self.paused = True
-            self._pause()
-        self._wake()
-
-    def finish(self) -> None:
-        self.complete = True
-        self._wake()
-
-    def fail(self, error: Exception) -> None:
-        """End the body with `error` (the first one wins; nothing once it is complete)."""
-        if self._error is None and not self.complete:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def read_some(self) -> bytes:
-        """The bytes that arrived since the last call (waiting for some); b"" at the end."""
-        while not self._pieces:
-            if self._error is not None:
-                raise self._error
-            if self.complete:
-                return b""
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        pieces = self._pieces
-        data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
-        self._buffered = 0
-        if self.paused:
-            self.paused = False
-            self._resume()
-        return data
 
 
 @dataclass(frozen=True, slots=True)
