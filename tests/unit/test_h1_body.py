@@ -94,3 +94,22 @@ async def test_the_first_failure_wins_and_none_after_the_end() -> None:
     ended.finish()
     ended.fail(ConnectionResetError("late"))  # the socket closing after a whole body
     assert await ended.read_some() == b""
+
+
+async def test_a_dropped_body_loses_what_waits_and_raises_even_after_its_end() -> None:
+    body, reading = _buffer(high_water=10)
+    body.feed(b"x" * 11)
+    body.drop(ValueError("refused"))
+    with pytest.raises(ValueError, match="refused"):
+        await body.read_some()  # the 11 bytes are gone
+    body.finish()
+    with pytest.raises(ValueError, match="refused"):
+        await body.read_some()
+    assert reading.calls == ["pause"]  # the owner resumes reading itself, if it wants to
+
+    waiting, _ = _buffer()
+    reader = asyncio.create_task(waiting.read_some())
+    await asyncio.sleep(0)
+    waiting.drop(ValueError("refused"))
+    with pytest.raises(ValueError, match="refused"):
+        await reader

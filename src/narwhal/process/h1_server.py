@@ -8,14 +8,15 @@ served one at a time, in order (pipelining allowed); a request's handler starts 
 is in, and reads its body as it arrives.
 
 This module is the I/O shell around `h1_state.Connection`, the connection's state machine,
-which decides every limit (docs/edge.md, "Limits"): the head's size (431) and time (408), the
-body's size whatever its framing (413, before any handler for a declared size) and the time
-between two of its reads (408), the idle keep-alive time. A refusal is answered in the OpenAI
-error shape whatever the path (the head may not even have one), counted by reason, and
-followed by a close. `Expect: 100-continue` is answered when the handler first reads the
-body, so only once the head's size and the handler's own checks (the client key) have
-passed. Connections
-past the router's bound (`ConnectionBudget`) are closed as soon as they are accepted.
+and hands each request to its handler as an `h1_request.ServerRequest` (which sees its
+connection only as an `h1_request.RequestConnection`). The state machine decides every limit
+(docs/edge.md, "Limits"): the head's size (431) and time (408), the body's size whatever its
+framing (413, before any handler for a declared size) and the time between two of its reads
+(408), the idle keep-alive time. A refusal is answered in the OpenAI error shape whatever the
+path (the head may not even have one), counted by reason, and followed by a close.
+`Expect: 100-continue` is answered when the handler first reads the body, so only once the
+head's size and the handler's own checks (the client key) have passed. Connections past the
+router's bound (`ConnectionBudget`) are closed as soon as they are accepted.
 
 A client that disconnects cancels its running handler (aiohttp's `handler_cancellation`); a
 stream waits for the client to take what was written (`pause_writing`), and a body the
@@ -32,7 +33,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from email.utils import formatdate
-from http import HTTPStatus
 from ssl import SSLContext
 from typing import Protocol, cast
 
@@ -40,9 +40,9 @@ import httptools
 
 from narwhal.config import ServingConfig
 from narwhal.dataplane.errors import error_body
-from narwhal.dataplane.exchange import SSE_HEADERS, Answer, BodyRefused
-from narwhal.dataplane.record import RequestRecord
+from narwhal.dataplane.exchange import BodyRefused
 from narwhal.process import h1_state
+from narwhal.process.h1_request import ServerRequest as ServerRequest  # the handlers' type
 from narwhal.process.h1_state import After, Connection, Limits, Out, Refusal
 
 log = logging.getLogger("narwhal.worker.http")
@@ -57,7 +57,6 @@ LINGER_S = h1_state.LINGER_S
 # retried a second later (measured: p99 1.1 s in the router-bound bench at c=256).
 BACKLOG = 1024
 MAX_HEAD_BYTES = h1_state.MAX_HEAD_BYTES
-_BODY_HIGH_WATER = 256 * 1024  # request body bytes buffered before reading pauses
 _MAX_QUEUED = 16  # pipelined requests waiting before reading pauses
 _JSON_PREFIXES = ("/v1/", "/admin/")
 
@@ -103,13 +102,6 @@ def client_limits(serving: ServingConfig) -> Limits:
     )
 
 
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Unknown"
-
-
 class _Date:
     """The `Date` header, formatted once a second."""
 
@@ -125,160 +117,6 @@ class _Date:
         return self._value
 
 
-class ServerRequest:
-    """One request: its head, its body as it arrives, and its answer (an `Exchange`)."""
-
-    def __init__(self, connection: ServerConnection, method: str, path: str, query: str) -> None:
-        self._connection = connection
-        self.method = method
-        self.path = path
-        self.query = query
-        self.headers: dict[str, str] = {}  # lower-case names
-        self.content_length: int | None = None
-        self.keep_alive = True
-        self.settled_outcome: str | None = None
-        self.record: RequestRecord | None = None
-        self._pieces: deque[bytes] = deque()
-        self._buffered = 0
-        self.body_complete = False
-        self.refusal: Refusal | None = None  # the server will not take this body
-        self._waiter: asyncio.Future[None] | None = None
-        self._asked = False  # the handler asked for the body
-        self.answered = False  # a head went out
-        self.finished = False  # the whole answer went out
-        self._chunked = False
-
-    def header(self, name: str) -> str | None:
-        return self.headers.get(name)
-
-    @property
-    def path_qs(self) -> str:
-        return f"{self.path}?{self.query}" if self.query else self.path
-
-    # ------------------------------------------------------------------ body
-    def _feed(self, body: bytes) -> None:
-        self._pieces.append(body)
-        self._buffered += len(body)
-        if self._buffered > _BODY_HIGH_WATER:
-            self._connection.pause_reading("body")
-        self._wake()
-
-    def _complete(self) -> None:
-        self.body_complete = True
-        self._wake()
-
-    def _refuse(self, refusal: Refusal) -> None:
-        """The body will not be taken: what was buffered goes, the next read raises."""
-        self.refusal = refusal
-        self._pieces.clear()
-        self._buffered = 0
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def read_some(self) -> bytes:
-        """The next piece of the body; b"" at its end. Raises `BodyRefused` (413, 408) when
-        the server refused it, and `ConnectionResetError` when the client left."""
-        if not self._asked:
-            self._asked = True
-            self._connection.want_body(self)
-        while not self._pieces:
-            if self.refusal is not None:
-                raise BodyRefused(self.refusal.status, self.refusal.message)
-            if self.body_complete:
-                return b""
-            if self._connection.lost:
-                raise ConnectionResetError("the client disconnected")
-            self._waiter = self._connection.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        pieces = self._pieces
-        data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
-        self._buffered = 0
-        self._connection.resume_reading("body")
-        return data
-
-    async def read(self) -> bytes:
-        parts = []
-        while piece := await self.read_some():
-            parts.append(piece)
-        return b"".join(parts)
-
-    # ------------------------------------------------------------------ answer
-    def respond(
-        self,
-        status: int,
-        body: bytes,
-        content_type: str,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        """The whole answer at once."""
-        assert not self.answered, "answered twice"
-        self.answered = self.finished = True
-        extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
-        head = self._head(status, content_type.encode("latin-1"), extra)
-        length = b"Content-Length: %d\r\n\r\n" % len(body)
-        self._connection.write(head + length + (b"" if self.method == "HEAD" else body))
-
-    def answer(self, result: Answer) -> None:
-        self.respond(result.status, result.body, result.content_type, result.headers)
-
-    def _head(self, status: int, content_type: bytes, extra: bytes) -> bytes:
-        connection = b"" if self._keep() else b"Connection: close\r\n"
-        return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nDate: %s\r\n%s%s" % (
-            status,
-            _reason(status),
-            content_type,
-            self._connection.date(),
-            connection,
-            extra,
-        )
-
-    def _keep(self) -> bool:
-        """Whether the connection stays open after this answer (said in the head): not while
-        draining, nor after a body that has not all arrived (no clean boundary), nor after
-        a refusal."""
-        connection = self._connection
-        return (
-            self.keep_alive
-            and self.body_complete
-            and self.refusal is None
-            and not connection.server.draining
-            and not connection.state.closing
-        )
-
-    async def start_stream(
-        self, headers: Mapping[str, str], content_type: str = SSE_HEADERS["Content-Type"]
-    ) -> None:
-        """A 200 answer sent piece by piece (chunked): SSE, or `content_type`."""
-        assert not self.answered, "answered twice"
-        self.answered = True
-        self._chunked = True
-        self._connection.state.stream()
-        extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-        head = self._head(200, content_type.encode(), b"Cache-Control: no-cache\r\n" + extra)
-        await self._connection.send(head + b"Transfer-Encoding: chunked\r\n\r\n")
-
-    async def send(self, data: bytes) -> None:
-        assert self._chunked, "start_stream() first"
-        if data:
-            await self._connection.send(b"%x\r\n%s\r\n" % (len(data), data))
-
-    async def end(self) -> None:
-        assert self._chunked, "start_stream() first"
-        if not self.finished:
-            self.finished = True
-            await self._connection.send(b"0\r\n\r\n")
-
-    def cut_off(self) -> None:
-        self._connection.abort()
-
-
 class ServerConnection(asyncio.Protocol):
     """One client connection: the parser's callbacks and the transport, around `state`."""
 
@@ -288,6 +126,8 @@ class ServerConnection(asyncio.Protocol):
         self.date = server.date
         self._parser = httptools.HttpRequestParser(self)
         self.state = Connection(server.limits, self.loop.time())
+        # `RequestConnection.streaming`: the state machine's own method, no call in between.
+        self.streaming: Callable[[], None] = self.state.stream
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self._admitted = False
@@ -329,7 +169,7 @@ class ServerConnection(asyncio.Protocol):
             self._timer = None
         for request in (self._parsing, *self._queue):
             if request is not None:
-                request._wake()
+                request.body.fail(ConnectionResetError("the client disconnected"))
         if self._writable is not None and not self._writable.done():
             self._writable.set_exception(ConnectionResetError("the client disconnected"))
             self._writable.exception()  # retrieved: the writer may already be gone
@@ -442,12 +282,12 @@ class ServerConnection(asyncio.Protocol):
             self._refused(refusal, request)
             raise _Stop()
         if not self.state.discarding:
-            request._feed(body)
+            request.body.feed(body)
 
     def on_message_complete(self) -> None:
         self._in_trailers = False
         if self._parsing is not None:
-            self._parsing._complete()
+            self._parsing.body.finish()
         self._parsing = None
         if not self.state.discarding:
             self.state.end(self.loop.time())
@@ -519,7 +359,7 @@ class ServerConnection(asyncio.Protocol):
             return
         now = self.loop.time()
         keep = request.keep_alive and not self.server.draining
-        after = self.state.answered(request.body_complete, keep, now)
+        after = self.state.answered(request.body.complete, keep, now)
         if after is After.KEEP:
             if self._queue:
                 self._next()
@@ -529,7 +369,7 @@ class ServerConnection(asyncio.Protocol):
         elif after is After.DISCARD:
             # Answered before the body was in (or refused): let the client finish sending
             # and read the answer, then close (the head said so).
-            request._refuse(request.refusal or _DROPPED)
+            request.refuse(request.refusal or _DROPPED)
             self._half_close()
             self._schedule()
         else:
@@ -549,10 +389,10 @@ class ServerConnection(asyncio.Protocol):
         self.server.on_reject(refusal.reason)
         served = self._queue[0] if self._queue and self._task is not None else None
         if request is not None and request is served and not request.answered:
-            request._refuse(refusal)  # its next read raises; `_serve` closes after
+            request.refuse(refusal)  # its next read raises; `_serve` closes after
             return
         if request is not None:
-            request._refuse(refusal)
+            request.refuse(refusal)
         if self.state.outbound is not Out.CLOSED:
             return  # another request's answer is going out: the close follows it
         answer = ServerRequest(self, "GET", "/", "")
@@ -614,6 +454,15 @@ class ServerConnection(asyncio.Protocol):
         writable = self._writable
         if writable is not None and not writable.done():
             await asyncio.shield(writable)
+
+    def pause_body(self) -> None:
+        self.pause_reading("body")
+
+    def resume_body(self) -> None:
+        self.resume_reading("body")
+
+    def keeps_open(self) -> bool:
+        return not self.server.draining and not self.state.closing
 
     def pause_reading(self, why: str) -> None:
         if not self._paused_by and self.transport is not None and not self.lost:
