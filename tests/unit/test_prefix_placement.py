@@ -110,6 +110,24 @@ def test_a_new_generation_or_a_maintenance_hold_empties_the_engine() -> None:
     assert prefix.index.index_blocks("p1") == 0
 
 
+def test_a_generation_first_learned_is_not_a_restart() -> None:
+    """llama.cpp's generation is known only once the engine answered, after the router may
+    have placed on it: learning it keeps what the index holds."""
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    fleet = {k: replace(v, generation=None) for k, v in states().items()}
+    prefix.sync(fleet.values(), clock.monotonic())
+    placed_on(prefix, "p1")
+    held = prefix.index.index_blocks("p1")
+    assert held > 0
+    fleet["p1"] = replace(fleet["p1"], generation=1.0)
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert prefix.index.index_blocks("p1") == held
+    fleet["p1"] = replace(fleet["p1"], generation=2.0)  # then a restart
+    prefix.sync(fleet.values(), clock.monotonic())
+    assert prefix.index.index_blocks("p1") == 0
+
+
 def test_an_engine_removed_from_the_fleet_is_forgotten() -> None:
     clock = FakeClock()
     prefix = PrefixPlacement(CONFIG, clock)

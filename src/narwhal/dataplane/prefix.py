@@ -131,7 +131,12 @@ class PrefixPlacement:
                 or any(h.name in _OUT_HOLDS for h in engine.active_holds(now))
             )
             before = self._seen.get(engine.id)
-            if before is not None and ((out and not before[0]) or before[1] != engine.generation):
+            # A generation first learned (None before: llama.cpp's is known only once the
+            # engine has answered) is not a restart; one that changes is.
+            restarted = (
+                before is not None and before[1] is not None and before[1] != engine.generation
+            )
+            if before is not None and ((out and not before[0]) or restarted):
                 log.info("placement: %s holds nothing now (out or a new generation)", engine.id)
                 self.index.drop_engine(engine.id)
             self._seen[engine.id] = (out, engine.generation)

@@ -105,6 +105,19 @@ def prefill_body(client_body: dict[str, Any], slot: int) -> dict[str, Any]:
     return body
 
 
+def prompt_content(client_body: dict[str, Any]) -> str | None:
+    """What a prefill evaluates, as text whose prefixes follow the prompt's: the prompt
+    itself, or the chat's messages serialised in order (a longer conversation extends the
+    shorter one's text up to its closing bracket). None when there is neither."""
+    prompt = client_body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    value = prompt if prompt is not None else client_body.get("messages")
+    if value is None:
+        return None
+    return orjson.dumps(value).decode()
+
+
 def decode_body(client_body: dict[str, Any], slot: int) -> dict[str, Any]:
     body = clean_body(client_body)
     body["id_slot"] = slot
@@ -181,9 +194,9 @@ class LlamaCppAdapter:
             pool = self._slots[engine_id] = SlotPool(1)
         return pool
 
-    async def _slot(self, engine: EngineConfig, timeout_s: float) -> int:
+    async def _slot(self, engine: EngineConfig, timeout_s: float, content: str | None) -> int:
         try:
-            return await self.slots(engine.id).acquire(timeout_s)
+            return await self.slots(engine.id).acquire(timeout_s, content)
         except TimeoutError:
             raise SlotsBusy(f"no free slot on {engine.id}") from None
 
@@ -205,7 +218,7 @@ class LlamaCppAdapter:
         timeout_s: float,
     ) -> PrefillReply:
         deadline = self._clock.monotonic() + timeout_s
-        slot = await self._slot(engine, timeout_s)
+        slot = await self._slot(engine, timeout_s, prompt_content(client_body))
         try:
             status, body, content_type = await self._post(
                 pool,
@@ -254,7 +267,7 @@ class LlamaCppAdapter:
         timeout_s: float,
     ) -> AsyncIterator[dict[str, Any]]:
         assert isinstance(handoff, SlotHandoff)
-        slot = await self._slot(engine, timeout_s)
+        slot = await self._slot(engine, timeout_s, None)  # the restore replaces its KV
         try:
             status, body, _ = await self._post(
                 pool,
