@@ -29,6 +29,7 @@ from narwhal.control import config_watch
 from narwhal.control.discovery import Discovery
 from narwhal.control.engine_tasks import EngineTasks
 from narwhal.control.evidence import EvidenceRecorder
+from narwhal.control.flow import FlowService
 from narwhal.control.health import HealthStages
 from narwhal.control.lifecycle import Lifecycle
 from narwhal.control.load_scrape import LoadScraper
@@ -42,6 +43,7 @@ from narwhal.control.reload import reload_changes
 from narwhal.control.stages import SmallStages
 from narwhal.control.suspects import SuspectProbes
 from narwhal.dataplane.auth import key_problems
+from narwhal.dataplane.flow_gate import FlowGate, TicketedInFlight
 from narwhal.dataplane.plane import DataPlane
 from narwhal.dataplane.prefix import PlacementCollector
 from narwhal.dataplane.request_ids import numbered_ids, request_prefix
@@ -53,6 +55,7 @@ from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import fleet_ready_reason
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
+from narwhal.flow.state import Tick
 from narwhal.placement.load import EngineLoad
 from narwhal.process.forward import ControlForward
 from narwhal.process.h1_server import H1Server, Handler, LocalConnections, client_limits
@@ -138,6 +141,8 @@ class Router:
         # This process's request ids are `<prefix>-N` (each worker has its own, logged as it
         # starts): a leg an engine received names the process that placed it.
         self.request_prefix = request_prefix()
+        # Placements tell flow control a granted request is now an engine's in-flight one.
+        self.fleet.in_flight = TicketedInFlight(self.fleet.in_flight)
         self.dataplane = DataPlane(
             config,
             self.fleet,
@@ -152,6 +157,15 @@ class Router:
             timeline=self.timeline,
             note=self.events.add,
         )
+        # Flow control (DESIGN §13): its one queue is this process's; with one process the
+        # data plane asks it directly, with workers over their channels.
+        self._loads: Mapping[str, EngineLoad] = {}
+        self.flow = FlowService(
+            config, self.fleet, self.clock, self.admission, self.metrics.flow, lambda: self._loads
+        )
+        self.flow_gate = FlowGate(config, self.flow, 0, self.clock.monotonic)
+        self.dataplane.flow = self.flow_gate
+        self.flow.deliver = self.flow_gate.answer
         m = self.metrics
         m.registry.register(PlacementCollector(self.dataplane.prefix))
         m.pool_limit.labels("data").set(config.serving.max_connections)
@@ -407,6 +421,8 @@ class Router:
         self.config = config
         self.membership.model = config.model
         self.dataplane.reconfigure(config)
+        self.flow.reconfigure(config)
+        self.flow_gate.reconfigure(config)
         self.fleet.policy = Policy.of(config.recovery)
         for part in (self.health, self.suspects, self.prober, self.readmission, self.small):
             part.reconfigure(config)
@@ -416,6 +432,8 @@ class Router:
     def _publish_loads(self, loads: dict[str, EngineLoad]) -> None:
         """Scraped engine loads to this process's placement and every worker's."""
         self.dataplane.prefix.loads = loads
+        self._loads = loads
+        self.flow.handle(Tick())  # an engine's queue may have emptied
         if self.supervisor is not None:
             self.supervisor.send_loads(loads)
 
@@ -643,7 +661,8 @@ class Router:
                 # warm at takeover; with workers it explains decisions for /admin).
                 interval_s = self.config.placement.metrics_interval_s
                 tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))
-                if self.dataplane.prefix.enabled:  # the engines' own load, for the ranking
+                # The engines' own load: placement's ranking, and flow control's saturation.
+                if self.dataplane.prefix.enabled or self.config.flow_on:
                     scraper = LoadScraper(
                         lambda: self.fleet,
                         self.client,
@@ -653,6 +672,7 @@ class Router:
                         self._publish_loads,
                     )
                     tg.create_task(scraper.run())
+                tg.create_task(self.flow.run())
                 if self.config_path is not None:
                     asyncio.get_running_loop().add_signal_handler(
                         signal.SIGHUP, lambda: tg.create_task(self._reload_on_signal())
@@ -687,6 +707,10 @@ class Router:
                 )
         finally:
             self._tasks = None
+            # Requests still waiting to start are answered now (their clients retry
+            # elsewhere); running ones finish within the grace.
+            self.flow.fence("shutting down")
+            self.flow_gate.close("not_admitted", "not admitting requests: shutting down", True)
             if self.config_path is not None:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             if self.supervisor is not None:
@@ -695,6 +719,7 @@ class Router:
                 self.fleet.in_flight = InFlight(e.id for e in self.fleet)
                 self.supervisor.table.close()
                 self.supervisor = None
+                self.flow.deliver = self.flow_gate.answer
             if self.ownership is not None:
                 await self.ownership.keeper.release()
                 await self.ownership.keeper.store.close()
@@ -726,6 +751,7 @@ class Router:
             runtime,
             self.events.add,
             placed=self.dataplane.prefix.placed_elsewhere,
+            flow=self.flow,
         )
         bound = sup.reserve(host, port)
         await web.UnixSite(runner, sup.control_socket).start()

@@ -34,6 +34,7 @@ from narwhal.dataplane.engine_calls import EngineKeys
 from narwhal.dataplane.errors import error_answer, error_body
 from narwhal.dataplane.exchange import Answer, Exchange, Result
 from narwhal.dataplane.fanout_runner import FanOut
+from narwhal.dataplane.flow_gate import FlowGate
 from narwhal.dataplane.leg import Attempt, Leg
 from narwhal.dataplane.legs import Legs
 from narwhal.dataplane.migration import Splice, migratable
@@ -98,6 +99,8 @@ class Gate(Protocol):
 
 
 class DataPlane:
+    flow: FlowGate | None = None  # flow control's data-plane side, set by the process
+
     def __init__(
         self,
         config: Config,
@@ -349,6 +352,13 @@ class DataPlane:
                 retry_after_s=1,
             )
         deadline = start + self._serving.request_timeout_s
+        ticket = None
+        if self.flow is not None:  # flow control (DESIGN §13): may it start now?
+            key = exchange.record.key if exchange.record is not None else None
+            admitted = await self.flow.admit(req, exchange, deadline, key)
+            if isinstance(admitted, Answer):
+                return admitted
+            ticket = admitted
         bounded = self._serving.policy == "bounded"
         try:
             if bounded:
@@ -358,6 +368,8 @@ class DataPlane:
             elif not self.pool.try_acquire():
                 raise PoolExhausted("data pool exhausted")
         except PoolExhausted:
+            if ticket is not None:
+                ticket.finish(None, None)
             return error_answer(
                 503,
                 "server saturated: no data connection available",
@@ -365,14 +377,21 @@ class DataPlane:
                 "saturated",
                 retry_after_s=1,
             )
+        result: Result | None = None
         try:
             if isinstance(req, EmbeddingsRequest):
-                return await self._embeddings.answer(req, exchange, deadline, self._limits)
-            if req.n > 1 or req.batch is not None:
-                return await self._fan_out.answer(req, exchange, deadline)
-            return await self._serve(req, exchange, deadline)
+                result = await self._embeddings.answer(req, exchange, deadline, self._limits)
+            elif req.n > 1 or req.batch is not None:
+                result = await self._fan_out.answer(req, exchange, deadline)
+            else:
+                result = await self._serve(req, exchange, deadline)
         finally:
             self.pool.release()
+            if ticket is not None:  # it ended: its tokens, and its key's x-ratelimit-*
+                usage = exchange.record.usage_source if exchange.record else None
+                result = ticket.finish(result, usage)
+        assert result is not None  # an exception would have left above
+        return result
 
     # ---------------------------------------------------------------- policy
     async def _serve(self, req: ClientRequest, exchange: Exchange, deadline: float) -> Result:

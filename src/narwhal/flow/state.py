@@ -202,6 +202,11 @@ class FlowState:
     def next_deadline(self) -> float | None:
         return self.queue.next_deadline()
 
+    def key_of(self, request_id: str) -> str | None:
+        """The rate-limit key of a request it knows (None: none, or not known)."""
+        held = self._held.get(request_id)
+        return None if held is None else held.ask.key
+
     # ---------------------------------------------------------------- the step
     def step(self, event: FlowEvent, now: float, room: Room) -> list[FlowEffect]:
         """Apply `event` at `now`, then run the pass; the answers to send, in order."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
+from narwhal.flow.state import Ask, Begun, Done, FlowEffect, Refuse, Start, Withdraw
 
 
 class FrameError(ValueError):
@@ -93,7 +94,9 @@ class Stats:
     timeline: tuple[Any, ...]
 
 
-WorkerEvent = LegFailed | LegSucceeded | Noted | Placed | Seen | Ready | Stats
+WorkerEvent = (
+    LegFailed | LegSucceeded | Noted | Placed | Seen | Ready | Stats | Ask | Begun | Done | Withdraw
+)
 
 KINDS: dict[type[Any], str] = {
     LegFailed: "failed",
@@ -103,6 +106,12 @@ KINDS: dict[type[Any], str] = {
     Seen: "seen",
     Ready: "ready",
     Stats: "stats",
+    # Flow control (DESIGN §13, flow/state.py): a request asks to start, its legs are placed,
+    # it ends, or its client left while it waited.
+    Ask: "ask",
+    Begun: "begun",
+    Done: "done",
+    Withdraw: "withdraw",
 }
 _BY_KIND = {kind: cls for cls, kind in KINDS.items()}
 
@@ -139,3 +148,28 @@ def decode(frame: Mapping[str, Any]) -> WorkerEvent:
         raise FrameError(f"{kind} frame: {exc}") from None
     event: WorkerEvent = cls(**fields)
     return event
+
+
+# ---------------------------------------------------------------- flow control's answers
+def encode_answer(effect: FlowEffect) -> tuple[str, dict[str, Any]]:
+    """A flow-control answer to a worker (`start` or `refuse`), by its request id."""
+    if isinstance(effect, Start):
+        return "start", {"id": effect.id, "headers": dict(effect.headers)}
+    return "refuse", {
+        "id": effect.id, "status": effect.status, "reason": effect.reason,
+        "message": effect.message, "retry_after_s": effect.retry_after_s,
+        "headers": dict(effect.headers), "priority": effect.priority,
+    }  # fmt: skip
+
+
+def decode_answer(frame: Mapping[str, Any], worker: int) -> FlowEffect:
+    """The answer a `start` or `refuse` frame carries (FrameError when not whole)."""
+    try:
+        if frame["t"] == "start":
+            return Start(frame["id"], worker, 0, 0.0, frame["headers"])
+        return Refuse(
+            frame["id"], worker, int(frame["status"]), frame["reason"], frame["message"],
+            frame["retry_after_s"], frame["headers"], int(frame["priority"]),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FrameError(f"{frame.get('t')} frame: {exc!r}") from None

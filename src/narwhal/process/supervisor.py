@@ -23,13 +23,14 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from narwhal.clock import Clock
 from narwhal.config import Config
 from narwhal.control.evidence import EvidenceRecorder
+from narwhal.control.flow import FlowService
 from narwhal.dataplane.prefix import Shared
 from narwhal.dataplane.request_ids import request_prefix
 from narwhal.fleet.admission import Admission
@@ -37,6 +38,7 @@ from narwhal.fleet.codec import encode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
+from narwhal.flow.state import Ask, Begun, Done, FlowEffect, Withdraw, WorkerLost
 from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import (
@@ -49,6 +51,7 @@ from narwhal.process.events import (
     Seen,
     Stats,
     decode,
+    encode_answer,
 )
 from narwhal.process.gate import GateData
 from narwhal.process.table import (
@@ -138,6 +141,7 @@ class Supervisor:
         runtime_dir: Path,
         note: Note,
         placed: Shared | None = None,
+        flow: FlowService | None = None,
     ) -> None:
         """`note` puts what workers report (migrations) on the event timeline; `placed` is
         the control process's own index, told of every worker's placement as the other
@@ -145,6 +149,9 @@ class Supervisor:
         self._config = config
         self._note = note
         self._placed = placed
+        self._flow = flow
+        if flow is not None:
+            flow.deliver = self.deliver
         self.count = count
         self.table = table
         self._in_flight = in_flight
@@ -345,6 +352,7 @@ class Supervisor:
                 if n > 0:
                     self._metrics.worker_lost_requests.labels(endpoint).inc(n)
             self.table.zero(w.index)
+            self._worker_lost(w)
             self._metrics.worker_exits.labels(_exit_kind(status)).inc()
             log.warning(
                 "worker %d (pid %s) exited (%s) with %d requests in progress; restarting",
@@ -385,6 +393,12 @@ class Supervisor:
                 self._note(kind, engine_id, what)
             case Placed():
                 self._share_placement(w, event)
+            case Ask():
+                if self._flow is not None:  # the worker is the channel's, whatever it says
+                    self._flow.handle(replace(event, worker=w.index))
+            case Begun() | Done() | Withdraw():
+                if self._flow is not None:
+                    self._flow.handle(event)
             case Ready(pid=pid):
                 if w.ready is not None and not w.ready.done():
                     w.ready.set_result(pid)
@@ -428,6 +442,20 @@ class Supervisor:
 
     def _on_lost(self, w: WorkerInfo) -> None:
         w.channel = None
+
+    def _worker_lost(self, w: WorkerInfo) -> None:
+        """Its requests waiting to start, and its grants, go: nothing is started for a dead
+        client and no slot is held for it. Called once its process exited, before its
+        replacement starts (whose asks must not be taken for the dead one's)."""
+        if self._flow is not None:
+            self._flow.handle(WorkerLost(w.index))
+
+    def deliver(self, effect: FlowEffect) -> None:
+        """Flow control's answer, to the worker that asked."""
+        w = self.workers[effect.worker] if 0 <= effect.worker < len(self.workers) else None
+        if w is not None and w.channel is not None:
+            kind, fields = encode_answer(effect)
+            w.channel.send(kind, **fields)
 
     # ---------------------------------------------------------------- frames out
     def _on_fleet_change(self, before: EngineState, after: EngineState, *_: Any) -> None:

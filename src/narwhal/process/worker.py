@@ -29,6 +29,7 @@ import uvloop
 
 from narwhal.clock import SystemClock
 from narwhal.config import Config, ConfigError, EngineConfig, parse_config
+from narwhal.dataplane.flow_gate import FlowGate, TicketedInFlight
 from narwhal.dataplane.plane import DataPlane
 from narwhal.dataplane.pool import Pool
 from narwhal.dataplane.prefix import PrefixPlacement
@@ -38,9 +39,10 @@ from narwhal.engine.transport import EngineClient
 from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
+from narwhal.flow.state import Ask, Begun, Done, Withdraw
 from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
-from narwhal.process.events import Noted, Placed, Ready, Seen, Stats
+from narwhal.process.events import Noted, Placed, Ready, Seen, Stats, decode_answer
 from narwhal.process.forward import ControlForward
 from narwhal.process.gate import GateData, WorkerGate
 from narwhal.process.h1_server import H1Server, client_limits
@@ -79,6 +81,16 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(EXIT_ORPHANED)
 
 
+class _ChannelLink:
+    """Flow control's events, to the control process over the channel."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+
+    def send(self, event: Ask | Begun | Done | Withdraw) -> None:
+        self._channel.send_event(event)
+
+
 class Worker:
     def __init__(self, index: int, hello: Frame, channel: Channel) -> None:
         self.index = index
@@ -90,7 +102,8 @@ class Worker:
         # The members come with the first (full) snapshot, each with its config and column.
         self._configs: dict[str, EngineConfig] = {}
         self._in_flight = SharedInFlight(self.table, index)
-        self.fleet = FleetReplica((), self.clock, in_flight=self._in_flight)
+        # Placements tell flow control a granted request is now an engine's in-flight one.
+        self.fleet = FleetReplica((), self.clock, in_flight=TicketedInFlight(self._in_flight))
         self.gate = WorkerGate(self.clock)
         self.channel = channel
         self.reporter = Reporter(channel, self.fleet, hello["settle_s"])
@@ -129,6 +142,8 @@ class Worker:
                 ),
             ),
         )
+        self.flow = FlowGate(config, _ChannelLink(channel), index, self.clock.monotonic)
+        self.dataplane.flow = self.flow
         self.control_socket: str = hello["control_socket"]
         self.forward = ControlForward(self.control_socket, config.admin.resolve_token())
         self.drain = asyncio.Event()
@@ -167,9 +182,12 @@ class Worker:
             self.gate.data = GateData.from_json(frame["gate"])
         elif kind == "ack":
             self.reporter.acked(frame["upto"])
+        elif kind in ("start", "refuse"):  # flow control's answer to an ask
+            self.flow.answer(decode_answer(frame, self.index))
         elif kind == "config":  # reloaded (control/reload.py)
             self.config = self._own(frame["config"])
             self.dataplane.reconfigure(self.config)
+            self.flow.reconfigure(self.config)
             if self._tls is not None and self.config.tls.enabled:
                 try:
                     tls_load(self._tls, self.config.tls)
@@ -189,6 +207,8 @@ class Worker:
             self.drain.set()
 
     def on_lost(self) -> None:
+        # Nobody will answer the requests waiting to start: 503 now, the client retries.
+        self.flow.close("not_admitted", "not admitting requests: control process lost", False)
         self.gate.lost = True
         self.grace_s = 0.0
         self.drain.set()
@@ -253,6 +273,9 @@ class Worker:
                 prefix = tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))
                 await self.drain.wait()
                 self.gate.draining = True
+                # Its waiting requests leave the queue and are answered now: another worker
+                # or router serves their retry at once, not at the end of the grace.
+                self.flow.close("not_admitted", "not admitting requests: draining", True)
                 # Stop accepting, close idle connections, let running requests finish
                 # within the grace, then cut off what is left.
                 await server.drain(self.grace_s)

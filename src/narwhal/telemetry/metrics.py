@@ -5,7 +5,7 @@ Names and labels are a contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from prometheus_client import (
@@ -184,6 +184,50 @@ class SummedData:
             yield out
 
 
+class FlowMetrics:
+    """Flow control's (DESIGN §13): counted where its one queue is, the control process."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.queue_depth = Gauge(
+            "narwhal_flow_queue_depth",
+            "Requests waiting in flow control's queue to start, by priority",
+            ["priority"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "narwhal_queue_wait_seconds",
+            "Time a request waited in flow control's queue, by priority (at its start, or "
+            "its refusal)",
+            ["priority"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.shed = Counter(
+            "narwhal_shed",
+            "Requests refused 429 by flow control, by reason (queue_full, deadline, "
+            "requests_per_minute, tokens_per_minute)",
+            ["reason"],
+            registry=r,
+        )
+        self.client_tokens = Counter(
+            "narwhal_client_tokens",
+            "Output tokens served, by client key label (auth on)",
+            ["key"],
+            registry=r,
+        )
+        self._depths: set[str] = set()
+
+    def observe_depth(self, depth: Mapping[int, int]) -> None:
+        """The queue's depth by priority; a priority seen once stays, at 0 when empty."""
+        for priority, n in depth.items():
+            label = str(priority)
+            self._depths.add(label)
+            self.queue_depth.labels(label).set(n)
+        for label in self._depths - {str(p) for p in depth}:
+            self.queue_depth.labels(label).set(0)
+
+
 class Metrics:
     """The control process's metrics, plus the data plane's (`data`): `render` is the whole
     `/metrics` page. `render_data` replaces how the data plane's part is rendered (the
@@ -207,6 +251,7 @@ class Metrics:
         # workers these describe the control process only.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+        self.flow = FlowMetrics(r)
         self.failures = Counter(
             "narwhal_engine_failures",
             "Engine failures by engine and class",

@@ -1,0 +1,170 @@
+"""Flow control's service in the control process (DESIGN §13): the one `FlowState` of the
+router, fed by every data plane's asks and by the clock, its answers delivered back.
+
+The room it decides on is read live at each step: each role's eligible engines of the
+request's model, Narwhal's in-flight on each (summed over the workers), their
+`max_concurrency`, and the last scrape of their own queue and KV usage. A pass runs on every
+event, at the next deadline, and every `TICK_S` while requests wait (a prefill's slot is
+freed without an event). When admission closes (the lease lost, the monitor degraded) every
+waiting request is answered 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+
+from narwhal.clock import Clock
+from narwhal.config import Config, Role
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.store import Fleet
+from narwhal.flow.reasons import ShedReason
+from narwhal.flow.saturation import EngineView, FlowLimits
+from narwhal.flow.state import (
+    Done,
+    Fence,
+    FlowEffect,
+    FlowEvent,
+    FlowState,
+    Refuse,
+    Resize,
+    Start,
+    Tick,
+    free_slots,
+)
+from narwhal.placement.load import EngineLoad
+from narwhal.telemetry.metrics import FlowMetrics
+
+log = logging.getLogger("narwhal.flow")
+
+TICK_S = 0.05  # while requests wait: a freed prefill slot is seen within this
+PRUNE_S = 60.0  # full buckets and idle counters forgotten this often
+
+Deliver = Callable[[FlowEffect], None]
+
+
+def _undelivered(effect: FlowEffect) -> None:
+    log.warning("flow: no data plane to answer %s", effect.id)
+
+
+class FlowService:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        clock: Clock,
+        admission: Admission,
+        metrics: FlowMetrics,
+        loads: Callable[[], Mapping[str, EngineLoad]],
+    ) -> None:
+        self._fleet = fleet
+        self._clock = clock
+        self._admission = admission
+        self._metrics = metrics
+        self._loads = loads
+        self.deliver: Deliver = _undelivered  # set by the router: a worker's channel, or local
+        self._wake = asyncio.Event()
+        self._pruned_at = clock.monotonic()
+        self.state = FlowState(config.flow.queue_limit, config.auth.policy_for)
+        self._apply(config)
+
+    def _apply(self, config: Config) -> None:
+        self._limits = FlowLimits.of(config.flow)
+        self._stale_s = config.placement.metrics_stale_s
+        self.state.policy_for = config.auth.policy_for
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload: the new limits and key policies; the queue resized (what it sheds is
+        answered); counters and buckets stay."""
+        self._apply(config)
+        self.handle(Resize(config.flow.queue_limit))
+
+    # ---------------------------------------------------------------- the step
+    def handle(self, event: FlowEvent) -> None:
+        """Apply one event and deliver its answers, in this call."""
+        now = self._clock.monotonic()
+        if isinstance(event, Done) and event.output_tokens:
+            key = self.state.key_of(event.id)
+            if key is not None:
+                self._metrics.client_tokens.labels(key).inc(event.output_tokens)
+        for effect in self.state.step(event, now, self.room):
+            self._count(effect)
+            self.deliver(effect)
+        self._metrics.observe_depth(self.state.queue.depth())
+        if self.state.waiting():
+            self._wake.set()
+
+    def send(self, event: FlowEvent) -> None:
+        """With one process, the data plane's link: the same step, no channel."""
+        self.handle(event)
+
+    def _count(self, effect: FlowEffect) -> None:
+        priority = str(effect.priority)
+        if isinstance(effect, Start):
+            if effect.waited_s > 0:
+                self._metrics.queue_wait.labels(priority).observe(effect.waited_s)
+        elif isinstance(effect, Refuse):
+            if effect.reason in _SHED_REASONS:
+                self._metrics.shed.labels(effect.reason).inc()
+            if effect.waited_s > 0:
+                self._metrics.queue_wait.labels(priority).observe(effect.waited_s)
+
+    def room(self, group: str) -> Mapping[str, float]:
+        """Each role's free slots for `group` (a model); empty when a role has no eligible
+        engine: the data plane then answers `no capacity` at once, not after a wait."""
+        now = self._clock.monotonic()
+        fleet, loads = self._fleet, self._loads()
+        free: dict[str, float] = {}
+        for role in fleet.needed_roles(group):
+            if role is Role.EMBED:
+                return {}
+            candidates = fleet.candidates(role, now, group)
+            if not candidates:
+                return {}
+            views = [
+                EngineView.of(
+                    c.id,
+                    c.in_flight,
+                    fleet.get(c.id).config.max_concurrency,
+                    loads.get(c.id),
+                    now,
+                    self._stale_s,
+                )
+                for c in candidates
+            ]
+            free[role.value] = free_slots(views, self._limits)
+        return free
+
+    # ---------------------------------------------------------------- the clock
+    async def run(self) -> None:
+        """Deadlines, freed slots and a closed admission, until cancelled."""
+        while True:
+            if not self.state.waiting():
+                self._wake.clear()
+                await self._wake.wait()
+            now = self._clock.monotonic()
+            deadline = self.state.next_deadline()
+            delay = TICK_S if deadline is None else min(TICK_S, max(0.0, deadline - now))
+            await self._clock.sleep(delay)
+            self.tick()
+
+    def tick(self) -> None:
+        closed = self._admission.closed_reason()
+        if closed is not None and self.state.waiting():
+            self.fence(closed)
+            return
+        now = self._clock.monotonic()
+        if now - self._pruned_at >= PRUNE_S:
+            self._pruned_at = now
+            self.state.prune(now)
+        self.handle(Tick())
+
+    def fence(self, reason: str) -> None:
+        """Answer every waiting request 503 now and drop the rate-limit buckets (a fenced
+        router; the new active starts with an empty queue and full buckets)."""
+        log.warning("flow: not admitting (%s): answering %d waiting", reason, self.state.waiting())
+        self.handle(Fence(reason))
+
+
+_SHED_REASONS = frozenset(r.value for r in ShedReason)

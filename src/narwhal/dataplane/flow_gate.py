@@ -1,0 +1,247 @@
+"""The data plane's side of flow control (DESIGN §13, docs/flow.md): before a request is
+served it asks the router's one queue (`flow/state.py`, in the control process) to start, and
+waits for `start` or `refuse`. Then it tells the queue when each of its legs is placed (the
+engines' in-flight counts have it from then on) and when it ends, with the tokens it used.
+
+The same `FlowGate` runs in every process mode; only its `FlowLink` differs: with one process
+it calls the control side directly, in a worker it sends frames over the channel. A request
+asks only when flow control is on (`Config.flow_on`, generation only) or its key has rate
+limits; the body's `priority` is read (a wrong one is a 400) and always removed before the
+body goes to an engine (vLLM refuses a non-zero one unless it runs with
+`--scheduling-policy priority`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any, Protocol, TypeVar, cast
+
+import orjson
+
+from narwhal.config import Config
+from narwhal.dataplane.errors import error_answer
+from narwhal.dataplane.exchange import Answer, Exchange, Result
+from narwhal.dataplane.outcomes import bad_request
+from narwhal.dataplane.requests import BadRequest, ClientRequest, EmbeddingsRequest
+from narwhal.fleet.inflight import Choose, InFlightCounts
+from narwhal.flow.priority import PriorityError, resolve_priority
+from narwhal.flow.ratelimit import Limits
+from narwhal.flow.state import Ask, Begun, Done, FlowEffect, Refuse, Withdraw
+
+TENANT_HEADER = "x-narwhal-tenant"
+R = TypeVar("R", bound=Result | None)
+CHARS_PER_TOKEN = 4  # a prompt's tokens, estimated from its text when not counted
+
+
+class FlowLink(Protocol):
+    """Where a data plane's flow events go: the control side, directly or over a channel."""
+
+    def send(self, event: Ask | Begun | Done | Withdraw) -> None: ...
+
+
+class Ticket:
+    """A request flow control started: its placements and its end go back."""
+
+    __slots__ = ("_link", "_placed", "headers", "id")
+
+    def __init__(self, request_id: str, link: FlowLink, headers: dict[str, str]) -> None:
+        self.id = request_id
+        self._link = link
+        self._placed: set[str] = set()
+        self.headers = headers  # `x-ratelimit-*`, for the answer
+
+    def placed_on(self, role: str) -> None:
+        if role not in self._placed:
+            self._placed.add(role)
+            self._link.send(Begun(self.id, role))
+
+    def finish(self, result: R, usage_source: bytes | None) -> R:
+        """Tell flow control the request ended (with its tokens, when known); an answer gets
+        the key's `x-ratelimit-*` headers."""
+        source = result.body if isinstance(result, Answer) and result.status == 200 else None
+        prompt, output = usage(source or usage_source)
+        self._link.send(Done(self.id, output, prompt))
+        _TICKET.set(None)
+        if isinstance(result, Answer) and self.headers:
+            headers = {**self.headers, **(result.headers or {})}
+            return cast(
+                R, Answer(result.status, result.body, result.content_type, result.outcome, headers)
+            )
+        return result
+
+
+_TICKET: ContextVar[Ticket | None] = ContextVar("narwhal_flow_ticket", default=None)
+
+
+class TicketedInFlight:
+    """The data plane's in-flight counts, telling the request's ticket (if any) each role it
+    is placed on: the moment its grant becomes an engine's in-flight request."""
+
+    def __init__(self, inner: InFlightCounts) -> None:
+        self.inner = inner
+
+    def claim(self, role: str, choose: Choose) -> str | None:
+        engine_id = self.inner.claim(role, choose)
+        if engine_id is not None:
+            ticket = _TICKET.get()
+            if ticket is not None:
+                ticket.placed_on(role)
+        return engine_id
+
+    def enter(self, engine_id: str) -> None:
+        self.inner.enter(engine_id)
+
+    def leave(self, engine_id: str) -> None:
+        self.inner.leave(engine_id)
+
+    def of(self, engine_id: str) -> int:
+        return self.inner.of(engine_id)
+
+    def add(self, engine_id: str) -> None:
+        self.inner.add(engine_id)
+
+    def remove(self, engine_id: str) -> None:
+        self.inner.remove(engine_id)
+
+
+def usage(source: bytes | None) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) of a JSON answer or an SSE data event's `usage`."""
+    if source is None:
+        return None, None
+    try:
+        parsed = orjson.loads(source.removeprefix(b"data: "))
+    except orjson.JSONDecodeError:
+        return None, None
+    found = parsed.get("usage") if isinstance(parsed, dict) else None
+    if not isinstance(found, dict):
+        return None, None
+    prompt, output = found.get("prompt_tokens"), found.get("completion_tokens")
+    return (
+        prompt if type(prompt) is int else None,
+        output if type(output) is int else None,
+    )
+
+
+def prompt_tokens(req: ClientRequest) -> int:
+    """Its prompt's tokens: counted when the client sent ids, else estimated from the text;
+    times its choices."""
+    if req.batch is not None:
+        prompts = req.batch
+    elif req.prompt_token_count is not None:
+        prompts = ([0] * req.prompt_token_count,)
+    else:
+        prompts = (req.prompt_text or "",)
+    one = sum(
+        len(p) if isinstance(p, list) else math.ceil(len(str(p)) / CHARS_PER_TOKEN) for p in prompts
+    )
+    return max(1, one * req.n)
+
+
+class FlowGate:
+    """Asks to start, and resolves the answers (`answer`) by request id."""
+
+    def __init__(
+        self, config: Config, link: FlowLink, worker: int, now: Callable[[], float]
+    ) -> None:
+        self._link = link
+        self._worker = worker
+        self._now = now
+        self._pending: dict[str, asyncio.Future[FlowEffect]] = {}
+        self.closed: tuple[str, str] | None = None  # (reason, message): nothing is asked
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        self._cfg = config
+        self._queue = config.flow_on
+        self._max_wait_s = config.flow.max_wait_s
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    def answer(self, effect: FlowEffect) -> None:
+        """The control side's answer to an ask of this data plane."""
+        future = self._pending.pop(effect.id, None)
+        if future is not None and not future.done():
+            future.set_result(effect)
+
+    def close(self, reason: str, message: str, withdraw: bool) -> None:
+        """Answer every waiting request 503 now (`Retry-After: 1`): the control process is
+        lost, or this worker drains (`withdraw`: tell the queue they left)."""
+        self.closed = (reason, message)
+        for request_id in list(self._pending):
+            if withdraw:
+                self._link.send(Withdraw(request_id))
+            self.answer(Refuse(request_id, self._worker, 503, reason, message, 1, {}, 0))
+
+    async def admit(
+        self,
+        req: ClientRequest | EmbeddingsRequest,
+        exchange: Exchange,
+        deadline: float,
+        key: str | None,
+    ) -> Ticket | Answer | None:
+        """Whether `req` may start now: None (flow control has nothing to say: go), a
+        `Ticket` (started: `finish` it), or the answer to send (refused, or a bad priority)."""
+        _TICKET.set(None)  # a connection's earlier request may have left one in this context
+        policy = self._cfg.auth.policy_for(key)
+        queue = self._queue and isinstance(req, ClientRequest)
+        if isinstance(req, ClientRequest):
+            try:
+                priority = resolve_priority(req.body, policy.priority)
+            except PriorityError as exc:
+                return bad_request(BadRequest(400, exc.message, param=exc.param))
+            req.body.pop("priority", None)  # never to an engine (see the module's docstring)
+        else:
+            priority = policy.priority
+        limited = key is not None and not Limits.of(policy).unlimited
+        if not queue and not limited:
+            return None
+        record = exchange.record
+        assert record is not None
+        if self.closed is not None:
+            reason, message = self.closed
+            return _answer(
+                Refuse(record.attempt_base, self._worker, 503, reason, message, 1, {}, 0)
+            )
+        tokens, rate_tokens = 1, 1
+        if isinstance(req, ClientRequest):
+            tokens = prompt_tokens(req)
+            rate_tokens = tokens + (req.max_tokens or 0) * req.n * len(req.batch or (None,))
+        client = key or exchange.header(TENANT_HEADER) or ""
+        wait_s = min(self._max_wait_s, deadline - self._now())
+        ask = Ask(
+            record.attempt_base, req.model or self._cfg.model, client, key, priority, tokens,
+            rate_tokens, wait_s, queue, self._worker,
+        )  # fmt: skip
+        future: asyncio.Future[FlowEffect] = asyncio.get_running_loop().create_future()
+        self._pending[ask.id] = future
+        try:
+            self._link.send(ask)
+            effect = await future
+        except asyncio.CancelledError:  # the client left: out of the queue, or its grant back
+            self._pending.pop(ask.id, None)
+            self._link.send(Withdraw(ask.id))
+            raise
+        if isinstance(effect, Refuse):
+            return _answer(effect)
+        ticket = Ticket(ask.id, self._link, dict(effect.headers))
+        _TICKET.set(ticket)
+        return ticket
+
+
+def _answer(refused: Refuse) -> Answer:
+    answer = error_answer(
+        refused.status, refused.message, refused.error_type, _OUTCOMES[refused.status],
+        retry_after_s=refused.retry_after_s, code=refused.code,
+    )  # fmt: skip
+    if refused.headers:
+        headers: dict[str, Any] = {**refused.headers, **(answer.headers or {})}
+        return Answer(answer.status, answer.body, answer.content_type, answer.outcome, headers)
+    return answer
+
+
+_OUTCOMES = {429: "rate_limited", 503: "not_admitted"}
