@@ -1,0 +1,226 @@
+"""Flow control end to end (DESIGN §13, docs/flow.md): real sims, a real router in one process
+or with two workers, the official `openai` client. Saturation keeps requests waiting in the
+router, in priority order; a full queue and a key's rate limit answer 429 with Retry-After;
+the client's retries converge; a worker killed while requests wait leaks no slot; a router
+that stops admitting answers every waiting request 503 at once."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support.poll import eventually
+from tests.support.router import RunningRouter, StartRouter
+from tests.support.sim_process import SimFactory
+
+P = ["--role", "prefill", "--kv-role", "kv_producer"]
+D = ["--role", "decode", "--kv-role", "kv_consumer"]
+WORKERS = pytest.mark.parametrize("workers", [1, 2])
+
+
+def _engines(sims: list[Any], limit: int) -> list[dict[str, Any]]:
+    return [
+        {"id": "p0", "url": sims[0].url, "role": "prefill", "max_concurrency": limit},
+        {"id": "d0", "url": sims[1].url, "role": "decode", "max_concurrency": limit},
+    ]
+
+
+async def _router(
+    sim_factory: SimFactory,
+    start_router: StartRouter,
+    workers: int,
+    limit: int,
+    itl_ms: int = 40,
+    **sections: Any,
+) -> RunningRouter:
+    cap = ["--max-concurrency", str(limit)]
+    sims = sim_factory.start_many([[*P, *cap], [*D, *cap, "--itl-ms", str(itl_ms)]])
+    serving = {"policy": "bounded", "workers": workers, **sections.pop("serving", {})}
+    return await start_router(_engines(sims, limit), serving=serving, **sections)
+
+
+async def _post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], **kw: Any
+) -> tuple[int, dict[str, str], Any]:
+    async with http.post(url + "/v1/completions", json=body, **kw) as resp:
+        return resp.status, dict(resp.headers), await resp.json()
+
+
+def _body(prompt: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "demo-model", "prompt": prompt, "max_tokens": 6, **kw}
+
+
+@WORKERS
+async def test_saturation_keeps_requests_waiting_in_the_router_not_the_engine(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    # The sims refuse (429) past 2 requests: every request answered 200 was never piled
+    # onto an engine past its limit.
+    rr = await _router(sim_factory, start_router, workers, limit=2)
+    tasks = [asyncio.create_task(_post(http, rr.url, _body(f"r{i}"))) for i in range(10)]
+    waited = await eventually(
+        lambda: rr.router.flow.state.waiting() >= 3, timeout_s=10, what="requests waiting"
+    )
+    assert waited
+    answers = await asyncio.gather(*tasks)
+    assert [status for status, _, _ in answers] == [200] * 10
+    assert rr.router.flow.state.waiting() == 0 and len(rr.router.flow.state) == 0
+    async with http.get(rr.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'narwhal_queue_wait_seconds_count{priority="0"}' in text
+    assert 'narwhal_flow_queue_depth{priority="0"} 0.0' in text
+
+
+@WORKERS
+async def test_under_saturation_a_lower_priority_number_starts_first(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    rr = await _router(sim_factory, start_router, workers, limit=1, itl_ms=60)
+    finished: list[str] = []
+
+    async def one(name: str, priority: int) -> None:
+        status, _, _ = await _post(http, rr.url, _body(name, priority=priority))
+        assert status == 200
+        finished.append(name)
+
+    blocker = asyncio.create_task(one("blocker", 0))
+    await eventually(lambda: len(rr.router.flow.state) == 1, what="the blocker started")
+    low = [asyncio.create_task(one(f"low{i}", 5)) for i in range(3)]
+    await eventually(lambda: rr.router.flow.state.waiting() == 3, what="three low waiting")
+    high = asyncio.create_task(one("high", 0))
+    await eventually(lambda: rr.router.flow.state.waiting() == 4, what="high waiting")
+    await asyncio.gather(blocker, *low, high)
+    assert finished[:2] == ["blocker", "high"], finished
+
+
+@WORKERS
+async def test_a_full_queue_sheds_with_429_and_retry_after_never_a_5xx(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    rr = await _router(sim_factory, start_router, workers, limit=1, flow={"queue_limit": 2})
+    answers = await asyncio.gather(*(_post(http, rr.url, _body(f"r{i}")) for i in range(8)))
+    statuses = sorted(status for status, _, _ in answers)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= 3  # one running and two waiting at least
+    for status, headers, body in answers:
+        if status == 429:
+            assert int(headers["Retry-After"]) >= 1
+            assert body["error"]["code"] == "rate_limit_exceeded"
+            assert "queue is full" in body["error"]["message"]
+    async with http.get(rr.url + "/metrics") as resp:
+        text = await resp.text()
+    assert f'narwhal_shed_total{{reason="queue_full"}} {statuses.count(429)}.0' in text
+
+
+def _label(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+@WORKERS
+async def test_a_keys_requests_per_minute_answer_429_with_openai_rate_limit_headers(
+    sim_factory: SimFactory,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: int,
+) -> None:
+    monkeypatch.setenv("TEST_FLOW_KEYS", "sk-limited\nsk-free")
+    auth = {
+        "api_keys_env": "TEST_FLOW_KEYS",
+        "key_policies": {_label("sk-limited"): {"requests_per_minute": 2}},
+    }
+    rr = await _router(sim_factory, start_router, workers, limit=8, auth=auth)
+    limited = {"Authorization": "Bearer sk-limited"}
+    first = await _post(http, rr.url, _body("a"), headers=limited)
+    assert first[0] == 200
+    assert first[1]["x-ratelimit-limit-requests"] == "2"
+    assert first[1]["x-ratelimit-remaining-requests"] == "1"
+    assert (await _post(http, rr.url, _body("b"), headers=limited))[0] == 200
+    status, headers, body = await _post(http, rr.url, _body("c"), headers=limited)
+    assert status == 429
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
+    assert int(headers["Retry-After"]) == 30  # one request back, at 2 a minute
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    # Another key is not limited.
+    free = {"Authorization": "Bearer sk-free"}
+    assert (await _post(http, rr.url, _body("d"), headers=free))[0] == 200
+    async with http.get(rr.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'narwhal_shed_total{reason="requests_per_minute"} 1.0' in text
+    assert f'narwhal_client_tokens_total{{key="{_label("sk-limited")}"}}' in text
+
+
+@WORKERS
+async def test_the_openai_client_retries_429s_and_converges(
+    sim_factory: SimFactory, start_router: StartRouter, workers: int
+) -> None:
+    rr = await _router(
+        sim_factory, start_router, workers, limit=1, itl_ms=20, flow={"queue_limit": 1}
+    )
+    async with openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="x", max_retries=8) as c:
+        raw = c.completions.with_raw_response
+
+        async def one(i: int) -> int:
+            reply = await raw.create(model="demo-model", prompt=f"p{i}", max_tokens=4)
+            assert reply.parse().choices[0].text
+            return reply.retries_taken
+
+        retries = await asyncio.gather(*(one(i) for i in range(6)))
+    assert sum(retries) > 0, "nothing was shed: the test did not overload the router"
+    shed = rr.router.metrics.flow.shed.labels("queue_full")._value.get()
+    assert shed == sum(retries)
+
+
+@pytest.mark.parametrize("workers", [2])
+async def test_a_worker_killed_while_requests_wait_leaks_no_slot(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    rr = await _router(sim_factory, start_router, workers, limit=1, itl_ms=60)
+    sup = rr.router.supervisor
+    assert sup is not None
+    state = rr.router.flow.state
+    tasks = [asyncio.create_task(_post(http, rr.url, _body(f"r{i}"))) for i in range(8)]
+    await eventually(lambda: state.waiting() >= 4, what="requests waiting")
+    victim = sup.workers[0]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    served = [r for r in results if isinstance(r, tuple)]
+    lost = [r for r in results if not isinstance(r, tuple)]
+    assert all(status == 200 for status, _, _ in served), served
+    assert all(isinstance(e, aiohttp.ClientError) for e in lost), lost
+    await eventually(lambda: len(state) == 0, what="nothing held for the dead worker")
+    assert state.unplaced("demo-model", "prefill") == 0
+    # Later requests still start: no slot is held by the dead worker's grants.
+    await eventually(lambda: victim.running, timeout_s=15, what="the worker restarted")
+    again = await asyncio.gather(*(_post(http, rr.url, _body(f"s{i}")) for i in range(3)))
+    assert [status for status, _, _ in again] == [200] * 3
+
+
+@WORKERS
+async def test_a_router_that_stops_admitting_answers_every_waiting_request_503_at_once(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    rr = await _router(sim_factory, start_router, workers, limit=1, itl_ms=200)
+    state = rr.router.flow.state
+    tasks = [asyncio.create_task(_post(http, rr.url, _body(f"r{i}"))) for i in range(6)]
+    await eventually(lambda: state.waiting() == 5, what="five waiting")
+    closed_at = time.monotonic()
+    rr.router.admission.close("monitor", "degraded: test")
+    answers = await asyncio.gather(*tasks)
+    refused = [a for a in answers if a[0] == 503]
+    assert len(refused) == 5 and sum(a[0] == 200 for a in answers) == 1
+    for _, headers, body in refused:
+        assert headers["Retry-After"] == "1"
+        assert body["error"]["message"] == "not admitting requests: degraded: test"
+    # At once: well before the running request's own end would have freed a slot for them.
+    assert time.monotonic() - closed_at < 5.0
