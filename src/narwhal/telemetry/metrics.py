@@ -184,6 +184,9 @@ class SummedData:
             yield out
 
 
+SHED_REASONS = ("queue_full", "deadline", "requests_per_minute", "tokens_per_minute")
+
+
 class FlowMetrics:
     """Flow control's (DESIGN §13): counted where its one queue is, the control process."""
 
@@ -216,7 +219,13 @@ class FlowMetrics:
             ["key"],
             registry=r,
         )
-        self._depths: set[str] = set()
+        # Exported from the start (a scrape shows 0, not nothing): the default priority, and
+        # every reason a request is shed.
+        self._depths: set[str] = {"0"}
+        self.queue_depth.labels("0").set(0)
+        self.queue_wait.labels("0")
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)
 
     def observe_depth(self, depth: Mapping[int, int]) -> None:
         """The queue's depth by priority; a priority seen once stays, at 0 when empty."""
