@@ -276,8 +276,16 @@ CASES = [
         7.0,
     ),
     Case(
-        "dropped bytes past max_body_bytes end the linger at once",
+        "dropped bytes past max_body_bytes: reading stops (discard_full), the linger goes on",
         [*request(1.0, 500), answered(False, True, 2.0), data(1001, 3.0)],
+        In.DISCARD,
+        Out.IDLE,
+        None,
+        7.0,
+    ),
+    Case(
+        "dropped bytes past max_body_bytes: the linger's end closes",
+        [*request(1.0, 500), answered(False, True, 2.0), data(1001, 3.0), expire(7.0)],
         In.CLOSED,
         Out.CLOSED,
         None,
@@ -371,6 +379,18 @@ def test_refusing_lost_and_closing_are_allowed_in_every_state() -> None:
         for state in states:
             for event in (Event.REFUSE, Event.CLOSE, Event.LOST):
                 assert (state, event) in table, (state, event)
+
+
+def test_the_drop_allowance_used_up_says_stop_reading_instead_of_closing() -> None:
+    """Closing on a client still sending would reset the connection, and the reset can
+    destroy the answer in the client's receive buffer before it reads it: the shell stops
+    reading instead (`discard_full`), and the linger's end closes."""
+    c = Connection(LIMITS, 0.0)
+    for step in [*request(1.0, 500), answered(False, True, 2.0), data(1000, 3.0)]:
+        step(c)
+    assert not c.discard_full
+    c.data(1, 3.5)
+    assert c.discard_full and not c.closed
 
 
 def test_closed_is_final() -> None:

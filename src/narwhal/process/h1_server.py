@@ -188,6 +188,8 @@ class ServerConnection(asyncio.Protocol):
             elif state.answer_pending:
                 self.pause_reading("refused")  # until the refusal's answer is out
             else:
+                if state.discard_full:
+                    self.pause_reading("discarded")  # for the rest of the linger
                 self._schedule()
             return  # dropped, unparsed
         # A refusal while a request's body is being read is that request's: its handler,

@@ -18,8 +18,9 @@ Every limit of DESIGN §12 is decided here, before any work for the request is d
   is reading: not before a `100 Continue` the client waits for, nor while the server itself
   paused reading (a full buffer);
 - an idle keep-alive connection closes after `keepalive_s`; what is left of a body after an
-  early answer is dropped for at most `linger_s` and `max_body_bytes`, then the connection
-  closes.
+  early answer is dropped for at most `linger_s`; past `max_body_bytes` of it reading stops
+  (`discard_full`: a close on a client still sending could reset away its answer), and the
+  connection closes at the linger's end.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Connection:
         self.closed = False
         self.discarding = False
         self.closing = False  # no further request will be read on this connection
+        self.discard_full = False  # the drop allowance is used up: read nothing more
         self.outbound = Out.IDLE
         self._since = now  # when the current timed phase began
         self._last_read = now
@@ -193,8 +195,10 @@ class Connection:
             self._heard = True
         elif self.inbound is In.DISCARD and not self.answer_pending:
             self._discarded += size
-            if self._discarded > self.limits.max_body_bytes:
-                self.close()
+            # Enough dropped: the shell stops reading until the linger ends (then closes).
+            # Closing now, on a client still sending, would reset the connection, and a
+            # reset can destroy the answer in the client's buffer before it is read.
+            self.discard_full = self._discarded > self.limits.max_body_bytes
 
     def parsed(self, now: float) -> Refusal | None:
         """The parser took the bytes: a head still incomplete over `max_head_bytes` is
