@@ -124,14 +124,21 @@ async def test_connections_past_the_bound_are_refused_and_counted(hostile: Hosti
         for writer in held:
             writer.close()
 
+    seen: list[object] = []  # what the last probe saw, for the failure's message
+
     async def counted() -> bool:
         try:
             now = await asyncio.to_thread(rejected, hostile.url, "connections")
-        except OSError:
+        except OSError as exc:
+            seen[:] = [exc]
             return False
+        seen[:] = [now - before]
         return now - before >= refused
 
-    await eventually(counted, timeout_s=20, what="the refusals counted, a client served again")
+    try:
+        await eventually(counted, timeout_s=20, what="the refusals counted, a client served again")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {refused} refused, {served} served, saw {seen}") from None
 
 
 async def test_a_pipelining_flood_is_answered_once_each_in_order(hostile: Hostile) -> None:
