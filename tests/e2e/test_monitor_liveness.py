@@ -42,11 +42,21 @@ async def engine(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str)
     return next(e for e in body["engines"] if e["id"] == engine_id)
 
 
-async def complete(http: aiohttp.ClientSession, rr: RunningRouter) -> int:
+class Status(int):
+    """An answer's status that shows its body in a failed comparison's message."""
+
+    body: bytes
+
+    def __repr__(self) -> str:
+        return f"{int(self)} {self.body[:200]!r}"
+
+
+async def complete(http: aiohttp.ClientSession, rr: RunningRouter) -> Status:
     body = {"model": "demo-model", "prompt": "are you alive", "max_tokens": 3}
     async with http.post(rr.url + "/v1/completions", json=body) as resp:
-        await resp.read()
-        return resp.status
+        status = Status(resp.status)
+        status.body = await resp.read()
+        return status
 
 
 class MissLog:
