@@ -33,6 +33,9 @@ _HOT = {
     ),
     "engine": frozenset({"control_connections", "ca_file"}),
     "recovery": frozenset(),
+    # Flow control: the queue is resized, new limits and key policies apply to new requests
+    # (docs/flow.md, Reload); its wait follows serving.request_timeout_s unless given.
+    "flow": frozenset(),
 }
 _HOT_TOP = frozenset({"model", "engines", "logging", "auth", "tls"})
 

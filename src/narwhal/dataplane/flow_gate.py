@@ -6,9 +6,10 @@ engines' in-flight counts have it from then on) and when it ends, with the token
 The same `FlowGate` runs in every process mode; only its `FlowLink` differs: with one process
 it calls the control side directly, in a worker it sends frames over the channel. A request
 asks only when flow control is on (`Config.flow_on`, generation only) or its key has rate
-limits; the body's `priority` is read (a wrong one is a 400) and always removed before the
-body goes to an engine (vLLM refuses a non-zero one unless it runs with
-`--scheduling-policy priority`).
+limits; with neither (the default) the data plane never calls it. With flow control on, the
+body's `priority` is read (a wrong one is a 400) and removed before the body goes to an engine:
+the router orders by it, and vLLM refuses a non-zero one unless it runs with
+`--scheduling-policy priority`. With flow control off it goes to the engine as sent.
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ class TicketedInFlight:
 
     def __init__(self, inner: InFlightCounts) -> None:
         self.inner = inner
+        # Every other operation is the inner counts' own method: these run for every
+        # candidate of every request, flow control on or off.
+        self.enter = inner.enter
+        self.leave = inner.leave
+        self.of = inner.of
+        self.add = inner.add
+        self.remove = inner.remove
 
     def claim(self, role: str, choose: Choose) -> str | None:
         engine_id = self.inner.claim(role, choose)
@@ -90,21 +98,6 @@ class TicketedInFlight:
             if ticket is not None:
                 ticket.placed_on(role)
         return engine_id
-
-    def enter(self, engine_id: str) -> None:
-        self.inner.enter(engine_id)
-
-    def leave(self, engine_id: str) -> None:
-        self.inner.leave(engine_id)
-
-    def of(self, engine_id: str) -> int:
-        return self.inner.of(engine_id)
-
-    def add(self, engine_id: str) -> None:
-        self.inner.add(engine_id)
-
-    def remove(self, engine_id: str) -> None:
-        self.inner.remove(engine_id)
 
 
 def usage(source: bytes | None) -> tuple[int | None, int | None]:
@@ -157,6 +150,11 @@ class FlowGate:
         self._cfg = config
         self._queue = config.flow_on
         self._max_wait_s = config.flow.max_wait_s
+        # Whether `admit` has anything to do: flow control on, or a key with rate limits.
+        # Off (the default), the data plane does not call it: no cost per request.
+        self.active = self._queue or any(
+            not Limits.of(policy).unlimited for policy in config.auth.key_policies.values()
+        )
 
     @property
     def waiting(self) -> int:
@@ -189,14 +187,13 @@ class FlowGate:
         _TICKET.set(None)  # a connection's earlier request may have left one in this context
         policy = self._cfg.auth.policy_for(key)
         queue = self._queue and isinstance(req, ClientRequest)
-        if isinstance(req, ClientRequest):
+        priority = policy.priority
+        if queue and isinstance(req, ClientRequest):  # the router orders: not the engines
             try:
                 priority = resolve_priority(req.body, policy.priority)
             except PriorityError as exc:
                 return bad_request(BadRequest(400, exc.message, param=exc.param))
-            req.body.pop("priority", None)  # never to an engine (see the module's docstring)
-        else:
-            priority = policy.priority
+            req.body.pop("priority", None)
         limited = key is not None and not Limits.of(policy).unlimited
         if not queue and not limited:
             return None

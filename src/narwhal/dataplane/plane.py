@@ -353,9 +353,10 @@ class DataPlane:
             )
         deadline = start + self._serving.request_timeout_s
         ticket = None
-        if self.flow is not None:  # flow control (DESIGN §13): may it start now?
+        flow = self.flow
+        if flow is not None and flow.active:  # flow control (DESIGN §13): may it start now?
             key = exchange.record.key if exchange.record is not None else None
-            admitted = await self.flow.admit(req, exchange, deadline, key)
+            admitted = await flow.admit(req, exchange, deadline, key)
             if isinstance(admitted, Answer):
                 return admitted
             ticket = admitted

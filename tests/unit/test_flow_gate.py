@@ -1,0 +1,83 @@
+"""The data plane's side of flow control (`dataplane/flow_gate.py`): when it has anything to
+do at all (the data plane skips it otherwise, so flow control off costs nothing per request),
+and what it does to the body's `priority` with the queue on and off."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from narwhal.config import Config
+from narwhal.dataplane.exchange import Exchange
+from narwhal.dataplane.flow_gate import FlowGate, Ticket
+from narwhal.dataplane.record import RequestRecord
+from narwhal.dataplane.requests import parse_request
+from narwhal.flow.state import Ask, Begun, Done, Start, Withdraw
+from tests.support.fake_exchange import FakeExchange
+
+KEY = "a" * 12  # a key's label
+
+
+def config(**sections: Any) -> Config:
+    base: dict[str, Any] = {
+        "model": "m",
+        "engines": [{"id": "p0", "url": "http://10.0.0.1:8000", "role": "both"}],
+    }
+    return Config.model_validate({**base, **sections})
+
+
+class StartAtOnce:
+    """The control side, granting every ask as it is sent."""
+
+    def __init__(self) -> None:
+        self.gate: FlowGate | None = None
+        self.asks: list[Ask] = []
+
+    def send(self, event: Ask | Begun | Done | Withdraw) -> None:
+        if isinstance(event, Ask):
+            self.asks.append(event)
+            assert self.gate is not None
+            self.gate.answer(Start(event.id, 0, event.priority, 0.0))
+
+
+def gate_for(cfg: Config) -> tuple[FlowGate, StartAtOnce]:
+    link = StartAtOnce()
+    gate = FlowGate(cfg, link, 0, lambda: 0.0)
+    link.gate = gate
+    return gate, link
+
+
+@pytest.mark.parametrize(
+    ("sections", "active"),
+    [
+        ({}, False),  # the default: single_attempt, no key policies
+        ({"serving": {"policy": "bounded"}}, True),  # flow control on under bounded
+        ({"serving": {"policy": "bounded"}, "flow": {"enabled": False}}, False),
+        ({"flow": {"enabled": True}}, True),
+    ],
+)
+def test_the_gate_is_active_only_with_flow_control_or_a_rate_limited_key(
+    sections: dict[str, Any], active: bool
+) -> None:
+    gate, _ = gate_for(config(**sections))
+    assert gate.active is active
+
+
+async def test_with_the_queue_on_priority_is_read_and_not_sent_to_the_engine() -> None:
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    req = parse_request("completions", b'{"prompt": "x", "priority": 3}', "m")
+    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
+    ticket = await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    assert isinstance(ticket, Ticket)
+    assert [a.priority for a in link.asks] == [3]
+    assert "priority" not in req.body
+
+
+async def test_with_the_queue_off_priority_goes_to_the_engine_as_sent() -> None:
+    gate, link = gate_for(config(flow={"enabled": False}))
+    req = parse_request("completions", b'{"prompt": "x", "priority": 3}', "m")
+    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
+    assert await gate.admit(req, cast(Exchange, exchange), 10.0, None) is None
+    assert link.asks == []
+    assert req.body["priority"] == 3
