@@ -173,7 +173,7 @@ class Router:
         # Live gauges, read when /metrics is scraped, instead of a set() per request and leg.
         m.pool_in_use.labels("data").set_function(lambda: self.data_pool_usage()[0])
         m.pool_in_use.labels("control").set_function(lambda: self.client.control_in_use)
-        m.queue_depth.set_function(lambda: self.data_pool_usage()[1])
+        m.pool_waiting.set_function(lambda: self.data_pool_usage()[1])
         self._connections = LocalConnections(config.serving.max_client_connections)
         m.client_connections.set_function(self.client_connections)
         self.health = HealthStages(

@@ -76,7 +76,7 @@ async def test_saturation_keeps_requests_waiting_in_the_router_not_the_engine(
     async with http.get(rr.url + "/metrics") as resp:
         text = await resp.text()
     assert 'narwhal_queue_wait_seconds_count{priority="0"}' in text
-    assert 'narwhal_flow_queue_depth{priority="0"} 0.0' in text
+    assert 'narwhal_queue_depth{priority="0"} 0.0' in text
 
 
 @WORKERS

@@ -66,7 +66,7 @@ def test_the_documented_table_parses() -> None:
     rows = documented()
     assert len(rows) >= 30
     assert rows["narwhal_requests_total"]["labels"] == {"endpoint", "outcome"}
-    assert rows["narwhal_queue_depth"]["labels"] == frozenset()
+    assert rows["narwhal_pool_waiting"]["labels"] == frozenset()
     assert {r["type"] for r in rows.values()} <= {"counter", "gauge", "histogram"}
     assert {"ok", "upstream_error", "bad_request"} <= documented_outcomes()
 
@@ -329,7 +329,7 @@ async def test_queue_depth_counts_requests_waiting_for_a_data_connection(
         pool = rr.router.dataplane.pool
         await eventually(lambda: pool.waiting >= 2, timeout_s=5, what="two requests queued")
         families = await scrape(http, rr)
-        [sample] = families["narwhal_queue_depth"].samples
+        [sample] = families["narwhal_pool_waiting"].samples
         assert sample.value == pool.waiting
     finally:
         statuses = await asyncio.gather(*tasks)

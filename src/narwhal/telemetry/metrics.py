@@ -193,7 +193,7 @@ class FlowMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.queue_depth = Gauge(
-            "narwhal_flow_queue_depth",
+            "narwhal_queue_depth",
             "Requests waiting in flow control's queue to start, by priority",
             ["priority"],
             registry=r,
@@ -276,8 +276,8 @@ class Metrics:
         self.pool_limit = Gauge(
             "narwhal_pool_connections_limit", "Pool bounds", ["pool"], registry=r
         )
-        self.queue_depth = Gauge(
-            "narwhal_queue_depth", "Requests waiting for a data connection", registry=r
+        self.pool_waiting = Gauge(
+            "narwhal_pool_waiting", "Requests waiting for a data connection", registry=r
         )
         self.client_connections = Gauge(
             "narwhal_client_connections",
