@@ -159,3 +159,39 @@ def test_engine_facts() -> None:
     )
     assert _matched(placement) == {} and placement.keys("nope", TOKENS) == []
     assert placement.match("nope", [1], 0.0) == {}
+
+
+def test_the_engines_block_size_is_learned_from_their_events_once() -> None:
+    """Configured for blocks of 16, engines publishing blocks of 4 (their `--block-size`)
+    could never be keyed: the model is indexed in blocks of 4 from their first batch on,
+    and its engines' capacities are counted in those blocks."""
+    placement = Placement(PlacementConfig())
+    for engine in ("a", "b"):
+        placement.set_engine(
+            engine, model="m", block_size_tokens=16, capacity_tokens=400, has_events=True
+        )
+    assert placement.block_size("m") == 16
+    placement.on_batch("a", 0, _stored([1, 2], None, TOKENS[:8]), 0.0)
+    assert placement.block_size("m") == 4
+    assert _matched(placement) == {"a": 8}
+    counters = placement.counters("a")
+    assert counters is not None and counters.unkeyable_blocks == 0
+    # the monitor's next sync, with the configured size, is no longer a conflict
+    placement.set_engine("b", model="m", block_size_tokens=16, capacity_tokens=400, has_events=True)
+    # once learned, another size is not taken up again: counted as unkeyable
+    other = sim.BlockStored((b"\x00" * 8,), None, tuple(range(8)), 8)
+    placement.on_batch("b", 0, sim.encode_batch(0.0, [other], encoding=sim.EventEncoding.MAP), 0.0)
+    assert placement.block_size("m") == 4
+    counters = placement.counters("b")
+    assert counters is not None and counters.unkeyable_blocks == 1
+
+
+def test_a_new_engine_joining_a_learned_model_is_sized_in_its_blocks() -> None:
+    placement = Placement(PlacementConfig())
+    placement.set_engine("a", model="m", block_size_tokens=16, capacity_tokens=400, has_events=True)
+    placement.on_batch("a", 0, _stored([1], None, TOKENS[:4]), 0.0)
+    placement.set_engine("c", model="m", block_size_tokens=16, capacity_tokens=40, has_events=False)
+    keys = placement.keys("m", TOKENS)
+    assert len(keys) == 3  # blocks of 4
+    placement.note_placed("m", "c", keys, 0.0, matched_tokens=0)
+    assert placement.match("m", keys, 0.0)["c"].matched_tokens == 12

@@ -277,7 +277,7 @@ class PrefixPlacement:
         """Another process placed a prefill (its `share`)."""
         now = self._clock.monotonic()
         # Its events are this process's to expect only if it expected new blocks: not known here.
-        covered = len(keys) * self._placement_config.block_size_tokens
+        covered = len(keys) * (self.index.block_size(model) or 0)
         self.index.note_placed(model, engine_id, keys, now, matched_tokens=covered)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from narwhal.placement import stream
-from narwhal.placement.events import BatchDecoder, DecodeError
+from narwhal.placement.events import BatchDecoder, BlockStored, DecodeError, Event
 from narwhal.placement.index import ModelIndex, PrefixMatch
 from narwhal.placement.keys import BlockKey, prompt_keys
 
@@ -58,6 +58,7 @@ class EngineCounters:
 @dataclass(slots=True)
 class _Engine:
     model: str
+    capacity_tokens: int
     capacity_blocks: int
     has_events: bool
     has_replay: bool
@@ -73,6 +74,8 @@ class Placement:
         self.config = config or PlacementConfig()
         self._models: dict[str, ModelIndex] = {}
         self._engines: dict[str, _Engine] = {}
+        # Models whose block size was taken from their engines' events (once each).
+        self._learned: set[str] = set()
 
     # -- membership -----------------------------------------------------------------------
 
@@ -95,19 +98,22 @@ class Placement:
                 speculative_ttl_s=self.config.speculative_ttl_s,
             )
             self._models[model] = index
-        elif index.block_size_tokens != block_size_tokens:
+        elif index.block_size_tokens != block_size_tokens and model not in self._learned:
             raise ValueError(
                 f"engine {engine}: block size {block_size_tokens} differs from the "
                 f"{index.block_size_tokens} of the other engines of model {model}"
             )
-        capacity_blocks = max(1, capacity_tokens // block_size_tokens)
+        capacity_blocks = max(1, capacity_tokens // index.block_size_tokens)
         current = self._engines.get(engine)
         if current is not None and current.model != model:
             self.remove_engine(engine)
             current = None
         if current is None:
-            self._engines[engine] = _Engine(model, capacity_blocks, has_events, has_replay)
+            self._engines[engine] = _Engine(
+                model, capacity_tokens, capacity_blocks, has_events, has_replay
+            )
         else:
+            current.capacity_tokens = capacity_tokens
             current.capacity_blocks = capacity_blocks
             current.has_events = has_events
             current.has_replay = has_replay
@@ -173,12 +179,51 @@ class Placement:
         counters.batches += 1
         counters.events += len(batch.events)
         counters.skipped_events += batch.skipped_events
+        index = self._learn_block_size(engine, state.model, batch.events)
         applied = index.apply(engine, batch.events)
         counters.stored_blocks += applied.stored_blocks
         counters.removed_blocks += applied.removed_blocks
         counters.unkeyable_blocks += applied.unkeyable_blocks
         counters.clears += int(applied.cleared)
         return decision
+
+    def _learn_block_size(self, engine: str, model: str, events: Sequence[Event]) -> ModelIndex:
+        """The engines' `--block-size` from their events, when it is not the configured one
+        (`placement.block_size_tokens`): blocks of another size can never be keyed, so the
+        model's index starts over in the engines' size, once; its engines' capacities are
+        counted in the new blocks. A later disagreement (engines of one model with different
+        block sizes) is left to the unkeyable count."""
+        index = self._models[model]
+        if model in self._learned:
+            return index
+        sizes = {
+            e.block_size for e in events if isinstance(e, BlockStored) and e.group_idx in (None, 0)
+        }
+        if len(sizes) != 1 or index.block_size_tokens in sizes:
+            return index
+        (size,) = sizes
+        if size < 1:
+            return index
+        log.warning(
+            "kv events: %s publishes blocks of %d tokens, not placement.block_size_tokens %d: "
+            "model %s is indexed in blocks of %d from now on (set the key to start so)",
+            engine, size, index.block_size_tokens, model, size,
+        )  # fmt: skip
+        self._learned.add(model)
+        index = self._models[model] = ModelIndex(
+            size,
+            approximate_ttl_s=self.config.approximate_ttl_s,
+            speculative_ttl_s=self.config.speculative_ttl_s,
+        )
+        for state in self._engines.values():
+            if state.model == model:
+                state.capacity_blocks = max(1, state.capacity_tokens // size)
+        return index
+
+    def block_size(self, model: str) -> int | None:
+        """The block size the model is indexed in (None: an unknown model)."""
+        index = self._models.get(model)
+        return None if index is None else index.block_size_tokens
 
     def on_replay_failed(self, engine: str, now: float) -> None:
         """The replay endpoint did not answer in time or broke off."""
