@@ -149,6 +149,9 @@ def _add_admin_views(app: web.Application, router: Router) -> None:
     async def admin_stats(request: web.Request) -> web.StreamResponse:
         return web.json_response(admin_views.stats(router.stats_snapshot()))
 
+    async def admin_flow(request: web.Request) -> web.StreamResponse:
+        return web.json_response(admin_views.flow(router.flow_snapshot()))
+
     app.router.add_get("/admin/events", admin_events)
     app.router.add_get("/admin/engines", admin_engines)
     app.router.add_get("/admin/monitor", admin_monitor)
@@ -156,6 +159,7 @@ def _add_admin_views(app: web.Application, router: Router) -> None:
     app.router.add_get("/admin/lease", admin_lease)
     app.router.add_get("/admin/workers", admin_workers)
     app.router.add_get("/admin/stats", admin_stats)
+    app.router.add_get("/admin/flow", admin_flow)
 
 
 def _add_operator_actions(app: web.Application, router: Router) -> None:

@@ -490,6 +490,27 @@ class Router:
             lease=self.ownership.to_json() if self.ownership is not None else None,
             timeline=tuple(sample.to_json() for sample in self.timeline.samples),
             placement=self._placement_snapshot(),
+            flow=self.flow_snapshot(),
+        )
+
+    def flow_snapshot(self) -> admin_views.FlowSnapshot:
+        """Flow control's queue and refusals (`/admin/flow`, DESIGN §13)."""
+        flow, config = self.flow, self.config
+        waiting = tuple((e.priority, e.enqueued_at) for e in flow.state.queue)
+        return admin_views.FlowSnapshot(
+            enabled=config.flow_on,
+            rate_limits=any(
+                p.requests_per_minute or p.tokens_per_minute
+                for p in config.auth.key_policies.values()
+            ),
+            queue_limit=flow.state.queue.limit,
+            max_wait_s=config.flow.max_wait_s,
+            mono=self.clock.monotonic(),
+            waiting=waiting,
+            running=len(flow.state) - len(waiting),
+            refused=dict(flow.refused),
+            limited_by_key={k: dict(v) for k, v in flow.limited_by_key.items()},
+            served_tokens=dict(flow.served_tokens),
         )
 
     def stats_snapshot(self) -> admin_views.StatsSnapshot:

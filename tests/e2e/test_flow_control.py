@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import pytest
 
+from tests.support.cli import narwhal
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory
@@ -224,3 +225,47 @@ async def test_a_router_that_stops_admitting_answers_every_waiting_request_503_a
         assert body["error"]["message"] == "not admitting requests: degraded: test"
     # At once: well before the running request's own end would have freed a slot for them.
     assert time.monotonic() - closed_at < 5.0
+
+
+@WORKERS
+async def test_the_admin_flow_document_and_narwhal_status_show_the_waiting_queue(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    rr = await _router(sim_factory, start_router, workers, limit=1, itl_ms=100)
+
+    async def document(path: str = "/admin/flow") -> Any:
+        async with http.get(rr.url + path) as resp:
+            assert resp.status == 200
+            return await resp.json()
+
+    # The blocker runs 6 s: the queue behind it stays while the CLI starts and reads it.
+    blocker = asyncio.create_task(_post(http, rr.url, _body("blocker", max_tokens=60)))
+    await eventually(lambda: len(rr.router.flow.state) == 1, what="the blocker started")
+    tasks = [
+        asyncio.create_task(_post(http, rr.url, _body(f"r{i}", priority=p)))
+        for i, p in enumerate([0, 0, 3])
+    ]
+
+    async def three_waiting() -> Any:
+        doc = await document()
+        return doc if doc["waiting"] == 3 else None
+
+    doc = await eventually(three_waiting, what="three waiting in /admin/flow")
+    assert doc["enabled"] is True and doc["running"] == 1
+    assert [(p["priority"], p["waiting"]) for p in doc["priorities"]] == [(0, 2), (3, 1)]
+    assert all(p["oldest_wait_s"] > 0 for p in doc["priorities"])
+    assert doc["refused"]["queue_full"] == 0
+    dashboard = await document("/admin/dashboard")
+    assert dashboard["flow"]["waiting"] == 3
+    status = await narwhal("--url", rr.url, "status")
+    assert status.code == 0, status
+    lines = status.out.splitlines()
+    flow = [line for line in lines if line.startswith("flow:")]
+    assert len(flow) == 1 and flow[0].startswith("flow: on, 3 waiting of 1024 (oldest "), lines
+    assert flow[0].endswith(", 1 running"), flow
+    assert any(line.startswith("  priority 0: 2 waiting, oldest ") for line in lines), lines
+    assert any(line.startswith("  priority 3: 1 waiting, oldest ") for line in lines), lines
+    answers = await asyncio.gather(blocker, *tasks)
+    assert [a[0] for a in answers] == [200] * 4
+    after = await document()
+    assert after["waiting"] == 0 and after["priorities"] == [] and after["oldest_wait_s"] is None

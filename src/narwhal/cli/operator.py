@@ -122,6 +122,30 @@ def placement_line(p: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def flow_lines(f: dict[str, Any]) -> list[str]:
+    """`/admin/flow` for `narwhal status`: whether the queue runs, what waits by priority
+    (with its oldest wait), and every refusal by reason, rate limits by key."""
+    if f["enabled"]:
+        head = f"flow: on, {f['waiting']} waiting of {f['queue_limit']}"
+        if f.get("oldest_wait_s") is not None:
+            head += f" (oldest {f['oldest_wait_s']:.1f} s)"
+        head += f", {f['running']} running"
+    else:
+        head = "flow: off" + (", rate limits on" if f.get("rate_limits") else "")
+    lines = [head]
+    for p in f.get("priorities", []):
+        lines.append(
+            f"  priority {p['priority']}: {p['waiting']} waiting, oldest {p['oldest_wait_s']:.1f} s"
+        )
+    refused = f.get("refused") or {}
+    if refused:
+        lines.append("  refused: " + ", ".join(f"{r} {n}" for r, n in refused.items()))
+    for key, reasons in (f.get("limited_by_key") or {}).items():
+        counts = ", ".join(f"{r} {n}" for r, n in reasons.items())
+        lines.append(f"  rate-limited key {key}: {counts}")
+    return lines
+
+
 URL_HELP = "the router's base URL (default: $NARWHAL_URL, else http://127.0.0.1:8080)"
 TOKEN_HELP = "the admin bearer token (default: $NARWHAL_ADMIN_TOKEN)"
 
@@ -148,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=os.environ.get("NARWHAL_ADMIN_TOKEN"), help=TOKEN_HELP)
     common = [_connection_flags()]
     sub = p.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", parents=common, help="engines, monitor and lease at a glance")
+    status = sub.add_parser(
+        "status", parents=common, help="engines, flow control, lease and monitor at a glance"
+    )
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     status.add_argument("--interval-s", type=POSITIVE, default=2.0, help="with --watch")
     status.add_argument("--count", type=POSITIVE_INT, help="with --watch: stop after this many")
@@ -363,6 +389,15 @@ def _run(args: argparse.Namespace) -> int:
             )
             if body.get("placement"):
                 print(placement_line(body["placement"]))
+            try:
+                flow_status, flow = _call(args.url, args.token, "GET", "/admin/flow")
+            except AdminError as exc:  # an older router: the rest of the status still shows
+                print(f"flow: unavailable ({exc})")
+            else:
+                if flow_status != 200:
+                    print(f"flow: unavailable ({flow_status}: {_message(flow)})")
+                else:
+                    print("\n".join(flow_lines(flow)))
             lease_status, lease = _call(args.url, args.token, "GET", "/admin/lease")
             if lease_status != 200:
                 print(f"lease: unavailable ({lease_status}: {_message(lease)})")

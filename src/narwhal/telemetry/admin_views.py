@@ -1,8 +1,9 @@
 """The admin API's documents as pure functions of a snapshot.
 
-What `/admin/engines`, `/admin/stats`, `/admin/dashboard`, `/admin/handoff`, `/admin/lease` and
-`/admin/workers` answer is decided here, from an `AdminSnapshot` the router takes in one go
-(`Router.admin_snapshot`); the handlers in `http_routes.py` only take it and send the result.
+What `/admin/engines`, `/admin/stats`, `/admin/flow`, `/admin/dashboard`, `/admin/handoff`,
+`/admin/lease` and `/admin/workers` answer is decided here, from an `AdminSnapshot` the router
+takes in one go (`Router.admin_snapshot`, or the smaller snapshot a view needs); the handlers in
+`http_routes.py` only take it and send the result.
 So each document can be tested from plain values, and no view reads a clock or a live object
 of its own.
 """
@@ -68,6 +69,51 @@ def placement(p: PlacementSnapshot) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class FlowSnapshot:
+    """Flow control's queue and refusals as the control process holds them (DESIGN §13):
+    each waiting request's `(priority, enqueued_at)` on the monotonic clock, and counts
+    since the router started."""
+
+    enabled: bool  # the queue orders requests (`Config.flow_on`)
+    rate_limits: bool  # some key's policy sets a rate limit
+    queue_limit: int
+    max_wait_s: float
+    mono: float  # the monotonic clock when taken
+    waiting: tuple[tuple[int, float], ...]
+    running: int  # started through flow control, not ended
+    refused: Mapping[str, int]  # by reason: a `ShedReason` value, or `not_admitted` (503)
+    limited_by_key: Mapping[str, Mapping[str, int]]  # key label -> rate-limit reason -> count
+    served_tokens: Mapping[str, int]  # output tokens by key label
+
+
+def flow(f: FlowSnapshot) -> dict[str, Any]:
+    """`GET /admin/flow` and the dashboard's queue panel: depth and oldest wait by priority
+    (lowest number first, as they start), and refusals by reason and, for rate limits, by
+    key."""
+    by_priority: dict[int, tuple[int, float]] = {}
+    for priority, enqueued_at in f.waiting:
+        count, oldest = by_priority.get(priority, (0, enqueued_at))
+        by_priority[priority] = (count + 1, min(oldest, enqueued_at))
+    priorities = [
+        {"priority": p, "waiting": n, "oldest_wait_s": max(0.0, f.mono - oldest)}
+        for p, (n, oldest) in sorted(by_priority.items())
+    ]
+    return {
+        "enabled": f.enabled,
+        "rate_limits": f.rate_limits,
+        "queue_limit": f.queue_limit,
+        "max_wait_s": f.max_wait_s,
+        "waiting": len(f.waiting),
+        "running": f.running,
+        "oldest_wait_s": max((p["oldest_wait_s"] for p in priorities), default=None),
+        "priorities": priorities,
+        "refused": dict(sorted(f.refused.items())),
+        "limited_by_key": {k: dict(sorted(v.items())) for k, v in sorted(f.limited_by_key.items())},
+        "served_tokens": dict(sorted(f.served_tokens.items())),
+    }
+
+
+@dataclass(frozen=True, slots=True)
 class AdminSnapshot:
     router_id: str
     ready: str | None  # why /ready answers 503 (its message); None: ready
@@ -79,6 +125,7 @@ class AdminSnapshot:
     lease: dict[str, Any] | None  # None: no lease backend
     timeline: tuple[dict[str, Any], ...]
     placement: PlacementSnapshot | None = None
+    flow: FlowSnapshot | None = None
 
 
 def engine(row: EngineRow, now: float) -> dict[str, Any]:
@@ -188,6 +235,7 @@ def dashboard(snap: AdminSnapshot) -> dict[str, Any]:
         "now": snap.wall,
         "engine_history": engine_history(snap.stats, snap.mono, snap.wall),
         "placement": None if snap.placement is None else placement(snap.placement),
+        "flow": None if snap.flow is None else flow(snap.flow),
     }
 
 
