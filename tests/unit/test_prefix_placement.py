@@ -35,7 +35,7 @@ def states() -> dict[str, EngineState]:
 
 def placed_on(prefix: PrefixPlacement, engine: str) -> None:
     req = parse_request("completions", _body(PROMPT + "first"), "m")
-    prompt = prefix.prompt(req, "m")
+    prompt = prefix.prompt_now(req, "m")
     assert prompt is not None
     prefix.placed(prompt, engine, 0)
 
@@ -46,7 +46,7 @@ def _body(prompt: str) -> bytes:
 
 def first_choice(prefix: PrefixPlacement, in_flight: dict[str, int] | None = None) -> str:
     req = parse_request("completions", _body(PROMPT + "second"), "m")
-    prompt = prefix.prompt(req, "m")
+    prompt = prefix.prompt_now(req, "m")
     assert prompt is not None and prompt.keys
     loads = in_flight or {}
     candidates = [Candidate(e, loads.get(e, 0)) for e in ("p0", "p1")]
@@ -78,7 +78,7 @@ def test_each_engine_s_queue_is_charged_what_its_recent_prefills_computed() -> N
     prefix = PrefixPlacement(CONFIG, clock)
     prefix.sync(states().values(), clock.monotonic())
     req = parse_request("completions", _body(PROMPT + "first"), "m")
-    prompt = prefix.prompt(req, "m")
+    prompt = prefix.prompt_now(req, "m")
     assert prompt is not None
     prefix.placed(prompt, "p1", 0)  # a miss: every token computed
     candidates = [Candidate("p0", 0), Candidate("p1", 3)]
@@ -144,7 +144,7 @@ def test_least_loaded_computes_no_keys() -> None:
         update={"placement": CONFIG.placement.model_copy(update={"policy": "least_loaded"})}
     )
     prefix = PrefixPlacement(config, FakeClock())
-    assert prefix.prompt(parse_request("completions", _body(PROMPT), "m"), "m") is None
+    assert prefix.prompt_now(parse_request("completions", _body(PROMPT), "m"), "m") is None
 
 
 def test_discovered_engines_publish_on_the_configured_ports_of_their_host() -> None:

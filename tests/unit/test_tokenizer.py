@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from narwhal.config import ConfigError, PlacementConfig, parse_config
 from narwhal.placement.chat_template import ChatTemplate, ChatTemplateError, select_template
 from narwhal.placement.tokenizer import (
+    OFF_LOOP_CHARS,
     ModelTokenizer,
     PromptTokenizer,
     plain_chat_text,
@@ -112,6 +113,35 @@ def test_encodings_are_cached_by_text_least_recently_used_out(model_dir: Path) -
     tok.completion_ids("narwhal")  # evicts the chat encoding (least recently used)
     assert tok.chat_ids(chat(("user", "hello"))) == first
     assert (tok.cache_hits, tok.cache_misses) == (1, 4)
+
+
+async def test_a_long_prompt_is_encoded_off_the_loop_and_then_found_cached(
+    model_dir: Path,
+) -> None:
+    """`warm` encodes a text of OFF_LOOP_CHARS or more in a thread (the encoder releases the
+    GIL only in `encode_batch`) and caches it: the request path's `encode` is then a hit
+    with the same ids; a short text is left to `encode`."""
+    tok = ModelTokenizer.from_path(model_dir)
+    long = "hello narwhal " * (OFF_LOOP_CHARS // 14 + 1)
+    await tok.warm(long, add_special_tokens=True)
+    assert (tok.cache_hits, tok.cache_misses) == (0, 0)
+    ids = tok.completion_ids(long)
+    assert (tok.cache_hits, tok.cache_misses) == (1, 0)
+    assert ids == tuple(small_tokenizer().encode(long).ids)
+    await tok.warm("hello", add_special_tokens=True)
+    tok.completion_ids("hello")
+    assert tok.cache_misses == 1  # not warmed: encoded on the loop
+
+
+async def test_a_long_chat_is_rendered_and_encoded_off_the_loop(model_dir: Path) -> None:
+    prompts = PromptTokenizer({"m": ModelTokenizer.from_path(model_dir)})
+    body = chat(("user", "hello narwhal " * (OFF_LOOP_CHARS // 14 + 1)))
+    await prompts.warm("m", None, body)
+    tokens = prompts.chat("m", body)
+    model = prompts.model("m")
+    assert model is not None and (model.cache_hits, model.cache_misses) == (1, 0)
+    assert tokens.exact
+    await prompts.warm("other", "anything", None)  # a model without a tokenizer: nothing
 
 
 def test_pseudo_ids_are_four_bytes_each_and_keep_prefixes() -> None:

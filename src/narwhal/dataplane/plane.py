@@ -515,7 +515,8 @@ class DataPlane:
                 400, f"The model `{model}` serves embeddings only (/v1/embeddings)",
                 param="model", code="model_not_supported",
             )  # fmt: skip
-        prompt = self._prefix.prompt(req, model or self._cfg.model)
+        prefix = self._prefix
+        prompt = await prefix.prompt(req, model or self._cfg.model) if prefix.enabled else None
         if roles == (Role.BOTH,):
             with (
                 self._placed(Role.BOTH, tried, model, prompt) as engine,

@@ -185,8 +185,22 @@ class PrefixPlacement:
             context.term()
 
     # ------------------------------------------------------------ the request path
-    def prompt(self, req: ClientRequest, model: str) -> Prompt | None:
-        """The request's block keys (None: placement by load only)."""
+    async def prompt(self, req: ClientRequest, model: str) -> Prompt | None:
+        """The request's block keys (None: placement by load only). A long prompt is encoded
+        off the event loop first (`PromptTokenizer.warm`)."""
+        if self._tokenizer is None:
+            return None
+        body: dict[str, Any] = req.body
+        if req.endpoint == "chat":
+            await self._tokenizer.warm(model, None, body)
+        else:
+            text = body.get("prompt")
+            if isinstance(text, str):
+                await self._tokenizer.warm(model, text, None)
+        return self.prompt_now(req, model)
+
+    def prompt_now(self, req: ClientRequest, model: str) -> Prompt | None:
+        """`prompt`, all on the event loop (`/admin/placement`'s explanation)."""
         if self._tokenizer is None:
             return None
         body: dict[str, Any] = req.body
@@ -230,7 +244,7 @@ class PrefixPlacement:
     def explain(self, req: ClientRequest, model: str, fleet: Fleet, now: float) -> dict[str, Any]:
         """`POST /admin/placement`: how this process would place the request now, without
         running it (each role's eligible engines best first, with matched tokens and score)."""
-        prompt = self.prompt(req, model)
+        prompt = self.prompt_now(req, model)
         roles = fleet.needed_roles(model)
         view: dict[str, Any] = {
             "model": model,
