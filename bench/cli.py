@@ -33,6 +33,7 @@ from bench.suites import (
     control,
     faults,
     floor_ab,
+    flow,
     llama,
     overhead,
     profile,
@@ -55,6 +56,7 @@ SUITES: dict[str, Suite] = {
     "floor_ab": floor_ab.run,
     "router_bound": router_bound.run,
     "cache": cache.run,
+    "flow": flow.run,
 }
 
 
@@ -90,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", help="routers for the fault suite (default: the mode's)")
     p.add_argument("--seed", type=int, help="the soak schedule's seed (default: the mode's)")
     p.add_argument("--soak-s", type=float, help="soak seconds per router (default: the mode's)")
+    p.add_argument(
+        "--flow-s", type=float, help="flow: seconds of overload per arm (default: the mode's)"
+    )
     p.add_argument(
         "--workers-sweep",
         type=_workers,
@@ -133,6 +138,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, soak_seed=args.seed)
     if args.soak_s is not None:
         mode = replace(mode, soak_s=args.soak_s)
+    if args.flow_s is not None:
+        mode = replace(mode, flow_s=args.flow_s)
     if args.workers_sweep:
         mode = replace(mode, router_bound_workers=args.workers_sweep)
     if args.bounded_twin is not None:

@@ -86,6 +86,12 @@ class Mode:
     cache_steps: tuple[int, ...] = (4, 16, 40)
     cache_step_s: float = 12.0
     cache_workloads: tuple[str, ...] = ("shared_prefix", "multi_turn", "no_sharing")
+    # flow control under overload (bench.suites.flow; part of full mode): each of 4 arms runs
+    # `flow_unloaded_s` unloaded, then `flow_s` at twice the fleet's capacity (then up to
+    # 12 s of answers): ~6 min (`--flow-s` replaces `flow_s`)
+    flow_s: float = 60.0
+    flow_unloaded_s: float = 10.0
+    flow_max_wait_s: int = 5  # Narwhal's flow.max_wait_s, the peers' --queue-timeout-secs
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
@@ -132,6 +138,9 @@ MODES = {
         router_bound_reps=1,
         cache_steps=(4, 16),
         cache_step_s=3.0,
+        flow_s=4.0,
+        flow_unloaded_s=2.0,
+        flow_max_wait_s=1,
     ),
     "full": Mode(
         name="full",
@@ -167,6 +176,7 @@ MODES = {
             "floor_ab",
             "router_bound",
             "cache",
+            "flow",
         ),
     ),
 }

@@ -49,6 +49,8 @@ class RouterSpec:
     # Narwhal: each prefill engine's `kv_events` (from `Engines.kv_events`) in its config
     kv_events: bool = False
     peer_policy: str | None = None  # a peer's `--policy` (None: its default)
+    peer_args: tuple[str, ...] = ()  # more flags for a peer (the `flow` suite's queue limits)
+    engine_max_concurrency: int | None = None  # Narwhal: every engine's `max_concurrency`
 
 
 @dataclass(slots=True)
@@ -81,6 +83,9 @@ def narwhal_config(spec: RouterSpec, engines: Engines, port: int, state: Path) -
         for entry in listed:
             if entry["url"] in engines.kv_events:
                 entry["kv_events"] = engines.kv_events[entry["url"]]
+    if spec.engine_max_concurrency is not None:
+        for entry in listed:
+            entry["max_concurrency"] = spec.engine_max_concurrency
     serving: dict[str, Any] = {"policy": spec.policy}
     if spec.workers is not None:
         serving["workers"] = spec.workers  # data-plane worker processes (DESIGN §9)
@@ -226,4 +231,4 @@ def peer_argv(
         argv += ["--health-check-interval-secs", str(int(spec.health_interval_s))]
     if spec.peer_policy is not None:
         argv += ["--policy", spec.peer_policy]
-    return argv
+    return [*argv, *spec.peer_args]

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen.flow import FlowResult, FlowSpec
 from bench.loadgen.spec import RunResult, RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,12 @@ class LoadGen:
         timeout = spec.duration_s + spec.deadline_s + 120
         answer = await self._ask({"cmd": "run", "spec": spec.to_json()}, timeout)
         return RunResult.from_json(answer["result"])
+
+    async def flow(self, spec: FlowSpec) -> FlowResult:
+        """An open-loop run of the `flow` suite (bench.loadgen.flow)."""
+        timeout = spec.duration_s + spec.deadline_s + 120
+        answer = await self._ask({"cmd": "flow", "spec": spec.to_json()}, timeout)
+        return FlowResult.from_json(answer["result"])
 
     async def reset(self) -> None:
         await self._ask({"cmd": "reset"}, 30)

@@ -1,7 +1,9 @@
 """The load generator process: one JSON command per stdin line, one JSON answer per stdout line.
 
-Commands: `{"cmd": "run", "spec": {...}}` -> `{"result": {...}}`; `{"cmd": "reset"}` closes the
-client's connections; `{"cmd": "quit"}` (or EOF) ends the process. Uses uvloop when installed.
+Commands: `{"cmd": "run", "spec": {...}}` -> `{"result": {...}}`; `{"cmd": "flow", "spec":
+{...}}` (an open-loop `bench.loadgen.flow` run) -> `{"result": {...}}`; `{"cmd": "reset"}`
+closes the client's connections; `{"cmd": "quit"}` (or EOF) ends the process. Uses uvloop when
+installed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from typing import Any
 
 from bench.loadgen.client import Client
+from bench.loadgen.flow import FlowSpec, run_flow
 from bench.loadgen.spec import RunSpec
 
 
@@ -28,6 +31,9 @@ async def serve() -> None:
                 spec = RunSpec.from_json(command["spec"])
                 result = await (client.paired(spec) if spec.paired else client.run(spec))
                 answer = {"result": result.to_json()}
+            elif command["cmd"] == "flow":
+                flow = await run_flow(await client.session(), FlowSpec.from_json(command["spec"]))
+                answer = {"result": flow.to_json()}
             elif command["cmd"] == "reset":
                 await client.close()
             elif command["cmd"] == "quit":

@@ -11,6 +11,7 @@ from bench.report import (
     discussion,
     faults,
     floor_ab,
+    flow,
     llama,
     method,
     overhead,
@@ -51,6 +52,7 @@ SUITES = (
     ("floor_ab", "HTTP stack: the floor three ways, and uvloop", floor_ab.render),
     ("router_bound", "Router-bound: data-plane workers beside the peers", router_bound.render),
     ("cache", "Cache-aware placement against the peers", cache.render),
+    ("flow", "Flow control under overload: priorities, fair shares, shedding", flow.render),
     ("soak", "Chaos soak", soak.render),
     ("llama", "Real engines: time to first token with and without the PD split", llama.render),
 )
