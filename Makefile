@@ -71,7 +71,7 @@ test: lint typecheck pytest pytest-single
 test-fast: $(STAMP) system-deps
 	$(BIN)/pytest -q -m 'not slow and not llama and not vllm'
 
-# Benchmarks (docs/benchmarks.md): full run (~45 min on 2 cores, llama, floor_ab, router_bound and cache suites included) and a quick smoke (< 1 min).
+# Benchmarks (docs/benchmarks.md): full run (~50 min on 2 cores, llama, floor_ab, router_bound, cache and flow suites included) and a quick smoke (< 1 min).
 bench: $(STAMP)
 	$(BIN)/python -m bench --mode full --report docs/benchmarks.md --results bench-results
 
