@@ -87,6 +87,7 @@ def analyze(
     out["refused"] = sum(1 for r in records if r[3] == 429)
     out["refused_by"] = _count(r[7] for r in records if r[3] == 429)
     out["server_errors"] = sum(1 for r in records if r[3] >= 500)
+    out["server_by"] = _count(str(r[3]) for r in records if r[3] >= 500)
     out["hung"] = sum(1 for r in records if r[3] == -1)
     out["transport"] = sum(1 for r in records if r[3] == 0)
     out["other"] = out["sent"] - out["served"] - out["refused"] - out["server_errors"]
@@ -266,6 +267,8 @@ def _problems(r: dict[str, Any]) -> str:
         parts.append(
             "429 by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(r["refused_by"].items()))
         )
+    if r["server_by"]:
+        parts.append("5xx: " + ", ".join(f"{k} {v}" for k, v in sorted(r["server_by"].items())))
     if r["other_by"]:
         parts.append(
             "other answers: " + ", ".join(f"{k} {v}" for k, v in sorted(r["other_by"].items()))
