@@ -89,7 +89,14 @@ class FlowService:
 
     # ---------------------------------------------------------------- the step
     def handle(self, event: FlowEvent) -> None:
-        """Apply one event and deliver its answers, in this call."""
+        """Apply one event and deliver its answers, in this call. While requests wait, a
+        closed admission (the lease lost on the local clock) fences first: an event that
+        frees a slot (a request's end, a scrape) never starts a waiting request of a router
+        that no longer admits, even before the clock's next tick."""
+        if self.state.waiting() and not isinstance(event, Fence):
+            closed = self._admission.closed_reason()
+            if closed is not None:
+                self.fence(closed)
         now = self._clock.monotonic()
         if isinstance(event, Done) and event.output_tokens:
             key = self.state.key_of(event.id)

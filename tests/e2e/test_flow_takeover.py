@@ -1,0 +1,195 @@
+"""A takeover while flow control's queue is full (issue 31, "Done when"; docs/flow.md "Wiring"):
+two real router processes over a real lease backend (a shared lease file, or a real etcd), a
+real fleet of sims whose `max_concurrency` is 1, so requests wait in the active's queue.
+
+The active is frozen (SIGSTOP) with its queue full; the standby takes over the lease and
+starts with an empty queue; the frozen router, resumed, judges its lease lost on its own
+monotonic clock and answers every request it held with 503 and `Retry-After` at once, long
+before the request it was running would have freed a slot, and starts none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.e2e.test_lease_failover import (
+    Http,
+    Pair,
+    RouterProcess,
+    T,
+    _router_cfg,
+    _wait_listening,
+    _wait_ready,
+)
+from tests.support.etcd import free_port
+from tests.support.poll import eventually
+from tests.support.sim_process import SimFactory
+
+pytestmark = pytest.mark.slow
+
+QUEUE_LIMIT = 3
+ITL_MS = 100
+BLOCKER_TOKENS = 100  # the running request takes 10 s: the queue behind it stays full
+AT_ONCE_S = 1.0  # resumed -> every waiting request answered (the flow tick is 50 ms)
+
+
+def _engines(sim_factory: SimFactory) -> list[dict[str, Any]]:
+    # The limit is each router's own (`max_concurrency`), not the sims': the new active,
+    # which does not count what the old one runs, is served while the old one's request runs.
+    p0, d0 = sim_factory.start_many(
+        [["--role", "prefill", "--kv-role", "kv_producer"],
+         ["--role", "decode", "--kv-role", "kv_consumer", "--itl-ms", str(ITL_MS)]]
+    )  # fmt: skip
+    return [
+        {"id": "p0", "url": p0.url, "role": "prefill", "max_concurrency": 1},
+        {"id": "d0", "url": d0.url, "role": "decode", "max_concurrency": 1},
+    ]
+
+
+@pytest.fixture(params=["file", "etcd"])
+def backend(request: pytest.FixtureRequest) -> str:
+    param: str = request.param
+    return param
+
+
+@pytest.fixture(params=[1, 2], ids=["workers1", "workers2"])
+def workers(request: pytest.FixtureRequest) -> int:
+    param: int = request.param
+    return param
+
+
+@pytest.fixture
+async def flow_pair(
+    backend: str,
+    workers: int,
+    tmp_path: Path,
+    sim_factory: SimFactory,
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[Pair]:
+    """router-a active with flow control on (`bounded`), router-b its warm standby."""
+    engines = _engines(sim_factory)
+    port_a, port_b = free_port(), free_port()
+    while port_b == port_a:
+        port_b = free_port()
+    lease_path = etcd = etcd_key = None
+    if backend == "file":
+        lease_path = tmp_path / "lease.json"
+        lease: dict[str, Any] = {"backend": "file", "path": str(lease_path)}
+        handoff_a = handoff_b = tmp_path / "state" / "handoff.json"
+    else:
+        etcd = request.getfixturevalue("etcd_server")
+        etcd_key = f"/narwhal-test/{uuid.uuid4().hex}/lease"
+        lease = {"backend": "etcd", "endpoints": [etcd.client_url], "key": etcd_key}
+        handoff_a = tmp_path / "a-state" / "handoff.json"
+        handoff_b = tmp_path / "b-state" / "handoff.json"
+    lease |= T.lease()
+    flow = {
+        "serving": {"policy": "bounded", "workers": workers, "request_timeout_s": 30},
+        "flow": {"queue_limit": QUEUE_LIMIT},
+    }
+    cfg_a = _router_cfg("router-a", port_a, port_b, engines, tmp_path, handoff_a, lease, T)
+    cfg_b = _router_cfg("router-b", port_b, port_a, engines, tmp_path, handoff_b, lease, T)
+    for cfg in (cfg_a, cfg_b):
+        cfg["serving"] = {**cfg["serving"], **flow["serving"]}
+        cfg["flow"] = flow["flow"]
+    a = RouterProcess("router-a", tmp_path, port_a, cfg_a, standby=False)
+    b = RouterProcess("router-b", tmp_path, port_b, cfg_b, standby=True)
+    http = Http()
+    pair = Pair(backend, T, a, b, http, handoff_a, lease_path, etcd, etcd_key)
+    try:
+        a.start()
+        await _wait_listening(http, a)
+        await _wait_ready(http, a, timeout_s=10)
+        b.start()
+        await _wait_listening(http, b)
+
+        async def b_following() -> bool:
+            lease_b = await http.lease(b)
+            return bool(lease_b and lease_b["role"] == "standby" and lease_b["followed_sequence"])
+
+        await eventually(b_following, timeout_s=10, what="router-b following as standby")
+        yield pair
+    finally:
+        for r in (a, b):
+            r.kill()
+        await http.close()
+        print(pair.logs())  # shown by pytest when the test failed
+
+
+async def _complete(
+    session: aiohttp.ClientSession, router: RouterProcess, prompt: str, max_tokens: int = 4
+) -> tuple[int, dict[str, str], Any, float]:
+    """One completion: status, headers, body and when the answer came (monotonic)."""
+    body = {"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens}
+    async with session.post(router.url + "/v1/completions", json=body) as resp:
+        answer = await resp.json(content_type=None)
+        return resp.status, dict(resp.headers), answer, time.monotonic()
+
+
+async def test_a_takeover_while_the_queue_is_full_answers_every_held_request_503_at_once(
+    flow_pair: Pair,
+) -> None:
+    http, a, b, t = flow_pair.http, flow_pair.a, flow_pair.b, flow_pair.t
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.monotonic()
+        blocker = asyncio.create_task(_complete(session, a, "blocker", BLOCKER_TOKENS))
+
+        async def flow_of(router: RouterProcess) -> Any:
+            return await http.json(router, "/admin/flow", timeout_s=2.0)
+
+        async def running() -> bool:
+            doc = await flow_of(a)
+            return bool(doc and doc["running"] == 1)
+
+        await eventually(running, what="the blocker running on router-a")
+        held = [asyncio.create_task(_complete(session, a, f"held{i}")) for i in range(3)]
+
+        async def full() -> Any:
+            doc = await flow_of(a)
+            return doc if doc and doc["waiting"] == QUEUE_LIMIT else None
+
+        before = await eventually(full, what="router-a's queue full")
+        assert before["refused"]["not_admitted"] == 0, before
+        # The takeover: router-a frozen with its queue full, router-b takes the lease.
+        flow_pair.freeze_outside_store_ops(a)
+        frozen = time.monotonic()
+        await _wait_ready(http, b, timeout_s=t.failover_bound_s + 5)
+        fresh = await flow_of(b)
+        assert fresh is not None and fresh["enabled"] is True
+        assert (fresh["waiting"], fresh["running"], fresh["priorities"]) == (0, 0, []), fresh
+        assert set(fresh["refused"].values()) == {0}, fresh
+        served = await _complete(session, b, "on the new active")
+        assert served[0] == 200, served
+        # Resumed past its TTL: it judges its lease lost on its own clock.
+        await asyncio.sleep(max(0.0, frozen + t.ttl_s + 0.3 - time.monotonic()))
+        assert not any(task.done() for task in held), "answered while frozen"
+        thawed = time.monotonic()
+        a.thaw()
+        answers = await asyncio.gather(*held)
+        last_answer = max(when for *_, when in answers)
+        finished = await blocker
+    for status, headers, body, _ in answers:
+        assert status == 503, (status, body)
+        assert headers["Retry-After"] == "1", headers
+        assert body["error"]["message"] == "not admitting requests: fenced: lease lost", body
+    took = last_answer - thawed
+    print(f"FLOW TAKEOVER backend={flow_pair.backend} thaw->all answered={took:.3f}s")
+    assert took < AT_ONCE_S, took
+    # The request it was running is never cut: it ends as it would have, after the others.
+    assert finished[0] == 200, finished
+    assert finished[3] > last_answer
+    assert finished[3] - started >= BLOCKER_TOKENS * ITL_MS / 1000 * 0.9
+    after = await flow_of(a)
+    assert after is not None, "router-a's /admin/flow unanswered"
+    assert after["waiting"] == 0 and after["refused"]["not_admitted"] == QUEUE_LIMIT, after
+    lease_a = await http.lease(a)
+    assert lease_a is not None and lease_a["role"] != "active", lease_a

@@ -1,0 +1,99 @@
+"""Flow control's service in the control process (`control/flow.py`), on a fake clock, with
+the fleet's room as a value the test sets: a router that stops admitting starts nothing it
+held, and what `/admin/flow` counts (refusals by reason, rate limits by key, tokens by key)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from narwhal.clock import FakeClock
+from narwhal.config import Config
+from narwhal.control.flow import FlowService
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.store import Fleet
+from narwhal.flow.state import Ask, Done, FlowEffect, Refuse, Start
+from narwhal.telemetry.metrics import FlowMetrics
+
+KEY = "a" * 12  # a key's label
+
+
+class Harness:
+    def __init__(self, **sections: Any) -> None:
+        base: dict[str, Any] = {
+            "model": "m",
+            "engines": [{"id": "e0", "url": "http://10.0.0.1:8000", "role": "both"}],
+            "serving": {"policy": "bounded"},
+        }
+        config = Config.model_validate({**base, **sections})
+        clock = FakeClock()
+        self.admission = Admission()
+        self.service = FlowService(
+            config,
+            Fleet(config.engines, clock),
+            clock,
+            self.admission,
+            FlowMetrics(CollectorRegistry()),
+            dict,
+        )
+        self.free = 1.0  # the role's free slots, as the fleet would say
+        self.service.room = lambda group: {"both": self.free}  # type: ignore[method-assign]
+        self.answers: list[FlowEffect] = []
+        self.service.deliver = self.answers.append
+
+    def ask(self, request_id: str, key: str | None = None) -> FlowEffect | None:
+        before = len(self.answers)
+        self.service.handle(Ask(request_id, "m", key or "", key, 0, 10, 20, 30.0))
+        mine = [a for a in self.answers[before:] if a.id == request_id]
+        return mine[0] if mine else None
+
+
+def test_a_closed_admission_fences_before_a_freed_slot_starts_a_waiting_request() -> None:
+    h = Harness()
+    assert isinstance(h.ask("running"), Start)
+    h.free = 0.0  # the running request holds the only slot
+    assert h.ask("w1") is None and h.ask("w2") is None
+    assert h.service.state.waiting() == 2
+    h.admission.close("lease", "fenced: lease lost")
+    h.answers.clear()
+    h.free = 1.0  # the running request ends: its slot is free before the clock's next tick
+    h.service.handle(Done("running", 4))
+    assert not [a for a in h.answers if isinstance(a, Start)], h.answers
+    refused = [a for a in h.answers if isinstance(a, Refuse)]
+    assert sorted(a.id for a in refused) == ["w1", "w2"]
+    assert {(a.status, a.retry_after_s, a.message) for a in refused} == {
+        (503, 1, "not admitting requests: fenced: lease lost")
+    }
+    assert h.service.state.waiting() == 0 and len(h.service.state) == 0
+    assert h.service.refused["not_admitted"] == 2
+
+
+def test_an_open_admission_starts_the_next_waiting_request_when_a_slot_frees() -> None:
+    h = Harness()
+    assert isinstance(h.ask("running"), Start)
+    h.free = 0.0
+    assert h.ask("w1") is None
+    h.free = 1.0
+    h.service.handle(Done("running", 4))
+    assert [type(a) for a in h.answers[-1:]] == [Start] and h.answers[-1].id == "w1"
+
+
+def test_refusals_by_reason_rate_limits_by_key_and_served_tokens(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TEST_FLOW_SERVICE_KEYS", "sk-one")
+    h = Harness(
+        auth={
+            "api_keys_env": "TEST_FLOW_SERVICE_KEYS",
+            "key_policies": {KEY: {"requests_per_minute": 1}},
+        }
+    )
+    h.free = 10.0
+    assert isinstance(h.ask("r1", KEY), Start)
+    refused = h.ask("r2", KEY)
+    assert isinstance(refused, Refuse) and refused.reason == "requests_per_minute"
+    assert isinstance(h.ask("other", "b" * 12), Start)  # another key: no limit
+    h.service.handle(Done("r1", 7))
+    assert h.service.limited_by_key == {KEY: {"requests_per_minute": 1}}
+    assert h.service.refused["requests_per_minute"] == 1
+    assert h.service.refused["queue_full"] == 0  # every reason shows, counted or not
+    assert h.service.served_tokens == {KEY: 7}
