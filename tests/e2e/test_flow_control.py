@@ -2,7 +2,9 @@
 or with two workers, the official `openai` client. Saturation keeps requests waiting in the
 router, in priority order; a full queue and a key's rate limit answer 429 with Retry-After;
 the client's retries converge; a worker killed while requests wait leaks no slot; a router
-that stops admitting answers every waiting request 503 at once."""
+that stops admitting answers every waiting request 503 at once; a key's tokens per minute end
+in 429 with the `-tokens` headers, another key unaffected; `/admin/flow` and `narwhal status`
+show the waiting queue."""
 
 from __future__ import annotations
 
@@ -269,3 +271,62 @@ async def test_the_admin_flow_document_and_narwhal_status_show_the_waiting_queue
     assert [a[0] for a in answers] == [200] * 4
     after = await document()
     assert after["waiting"] == 0 and after["priorities"] == [] and after["oldest_wait_s"] is None
+
+
+@WORKERS
+async def test_a_keys_tokens_per_minute_answer_429_with_the_tokens_headers_after_its_budget(
+    sim_factory: SimFactory,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: int,
+) -> None:
+    monkeypatch.setenv("TEST_FLOW_KEYS", "sk-small\nsk-other")
+    budget = 30  # tokens a minute: a few requests of 6 output tokens and a short prompt
+    auth = {
+        "api_keys_env": "TEST_FLOW_KEYS",
+        "key_policies": {_label("sk-small"): {"tokens_per_minute": budget}},
+    }
+    rr = await _router(sim_factory, start_router, workers, limit=8, auth=auth)
+    small = {"Authorization": "Bearer sk-small"}
+    served: list[dict[str, str]] = []
+    refused = None
+    for i in range(budget):  # each takes at least its max_tokens: the budget ends well before
+        status, headers, body = await _post(http, rr.url, _body(f"t{i}"), headers=small)
+        if status != 200:
+            refused = (status, headers, body)
+            break
+        served.append(headers)
+    assert served, "the key's first request was refused"
+    assert refused is not None, "the key was never limited"
+    assert served[0]["x-ratelimit-limit-tokens"] == str(budget)
+    remaining = [int(h["x-ratelimit-remaining-tokens"]) for h in served]
+    assert remaining == sorted(remaining, reverse=True) and remaining[0] < budget, remaining
+    # Only the limit the key has.
+    assert "x-ratelimit-limit-requests" not in {k.lower() for k in served[0]}
+    status, headers, body = refused
+    assert status == 429, refused
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "tokens"
+    assert body["error"]["message"].startswith("Rate limit reached for tokens per minute")
+    assert int(headers["Retry-After"]) >= 1
+    assert headers["x-ratelimit-limit-tokens"] == str(budget)
+    assert int(headers["x-ratelimit-remaining-tokens"]) < 6 + 1  # less than the request needs
+    assert headers["x-ratelimit-reset-tokens"].endswith("s")
+    # A request larger than the key's whole minute can never pass: no Retry-After.
+    status, headers, body = await _post(
+        http, rr.url, _body("big", max_tokens=budget + 1), headers=small
+    )
+    assert status == 429 and "retry-after" not in {k.lower() for k in headers}, headers
+    assert body["error"]["message"].startswith("Request too large"), body
+    # Another key is not limited.
+    other = {"Authorization": "Bearer sk-other"}
+    for i in range(3):
+        assert (await _post(http, rr.url, _body(f"o{i}"), headers=other))[0] == 200
+    async with http.get(rr.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'narwhal_shed_total{reason="tokens_per_minute"} 2.0' in text
+    async with http.get(rr.url + "/admin/flow") as resp:
+        flow = await resp.json()
+    assert flow["limited_by_key"] == {_label("sk-small"): {"tokens_per_minute": 2}}, flow
+    assert flow["refused"]["tokens_per_minute"] == 2
+    assert flow["served_tokens"][_label("sk-small")] == 6 * len(served), flow
