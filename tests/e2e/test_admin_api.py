@@ -36,7 +36,7 @@ from tests.e2e.test_readmission_support import (
 from tests.support.router import RunningRouter, StartRouter, router_config
 from tests.support.sim_process import SimFactory, SimProcess
 
-GETS = ("/admin/engines", "/admin/monitor", "/admin/handoff", "/admin/lease")
+GETS = ("/admin/engines", "/admin/monitor", "/admin/handoff", "/admin/lease", "/admin/flow")
 POSTS = ("/admin/engines/p0/drain", "/admin/engines/p0/maintenance", "/admin/engines/p0/readmit")
 FAILURE_CLASSES = {"connection", "timeout", "stream", "overload", "inference_status", "kv_handoff"}
 
