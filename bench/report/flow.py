@@ -72,6 +72,11 @@ def _served(r: list[Any]) -> bool:
     return bool(r[3] == 200 and not r[7])
 
 
+def _began(r: list[Any], window: float) -> bool:
+    """Its first token came within the overload's `window` (seconds from its start)."""
+    return r[5] is not None and r[0] + r[5] <= window
+
+
 def unloaded_ttft_ms(arm: Mapping[str, Any]) -> float | None:
     return _pctl((r[5] * 1000 for r in arm["unloaded"] if _served(r) and r[5] is not None), 50)
 
@@ -109,9 +114,13 @@ def analyze(
         ttfts = [r[5] * 1000 for r in mine if _served(r) and r[5] is not None]
         keys = sorted({r[1] for r in mine})
         demand = {k: float(max_tokens * sum(1 for r in mine if r[1] == k)) for k in keys}
-        # every answer to a request sent while overloaded (after the window too: the queue
-        # drains in the same order), so a priority served all it asked is not cut short
-        served = {k: float(sum(r[6] for r in mine if r[1] == k and _served(r))) for k in keys}
+        # the service begun while overloaded (first token within the window): once the
+        # arrivals stop, the queue drains what is left, mostly the heaviest key's, and that
+        # tail says nothing of how the queue shared out the overload
+        served = {
+            k: float(sum(r[6] for r in mine if r[1] == k and _served(r) and _began(r, window)))
+            for k in keys
+        }
         shares = fair_shares(demand, sum(served.values()))
         within = None
         if slo_ms is not None and mine:
@@ -299,7 +308,8 @@ def render(suite: dict[str, Any]) -> str:
         f"The TTFT SLO is {suite['slo_factor']:.0f}x `{JUDGED}`'s unloaded TTFT p50: "
         f"{num(slo, 0)} ms, for every arm; 'p0 within SLO' counts every priority-0 request "
         "sent, a refused one as a miss. Jain's index is over each key's served output tokens "
-        "(every answer to a request sent during the overload) divided by its max-min fair "
+        "(the answers whose first token came during the overload: the drain after it is "
+        "mostly the heaviest key's queue) divided by its max-min fair "
         "share of what that priority was served in all, "
         "min(its demand, the fair share): a key that asks less than an equal split cannot "
         "be expected to get the split, so it is judged against what it asked. Output tokens/s "

@@ -189,3 +189,21 @@ def test_the_suite_offers_twice_the_capacity_with_one_key_at_ten_times_at_priori
     assert sum(c.rate_per_s for c in classes(2.0)) == pytest.approx(2 * capacity_rps())
     batch = {k: share for (k, p), share in TRAFFIC.items() if p == 2}
     assert batch[0] == pytest.approx(10 * batch[1]) and batch[1] == batch[2] == batch[3]
+
+
+def test_the_drain_after_the_overload_is_not_counted_as_the_heavy_key_s_share() -> None:
+    """Once arrivals stop the queue drains what is left, mostly the heaviest key's: answers
+    whose first token comes after the window do not count toward the shares."""
+    suite = _suite([])
+    window = suite["flow_s"]
+    arm = [_rec(window - 1.0, k, 2) for k in range(4) for _ in range(5)]  # 5 each, in time
+    # the light keys asked for more: the rest of theirs expired in the queue
+    arm += [
+        _rec(window - 1.0, k, 2, status=429, latency=5.0, reason="deadline")
+        for k in (1, 2, 3)
+        for _ in range(5)
+    ]
+    # the heavy key's queued requests, served after the arrivals stopped
+    arm += [_rec(window - 0.5, 0, 2, ttft=2.0, latency=2.5) for _ in range(20)]
+    got = _verdicts(arm, list(arm))
+    assert got["priority 2"][1] == "1.000", got["priority 2"]
