@@ -42,6 +42,10 @@ class FlowSpec:
     duration_s: float  # arrivals stop after this; the answers are awaited (deadline_s)
     deadline_s: float
     max_tokens: int = 16
+    # Each request asks max_tokens ± this (uniform, seeded per request: the same for every
+    # arm). Answers of one fixed length keep the engines' slots in lockstep (a burst of
+    # starts ends as a burst, forever), which no real workload does.
+    max_tokens_spread: int = 0
     prompt_words: int = 32
     seed: int = 31
     send_priority: bool = True
@@ -137,10 +141,15 @@ class _Body:
         self.words = f"{words} {MARKER} n"
 
     def make(self, i: int, priority: int) -> bytes:
+        spec = self.spec
+        max_tokens = spec.max_tokens
+        if spec.max_tokens_spread:
+            spread = spec.max_tokens_spread
+            max_tokens += random.Random(f"{spec.seed}:{i}").randint(-spread, spread)
         doc: dict[str, Any] = {
-            "model": self.spec.model,
+            "model": spec.model,
             "prompt": f"{self.words}{i}",
-            "max_tokens": self.spec.max_tokens,
+            "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

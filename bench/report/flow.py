@@ -68,6 +68,14 @@ def _pctl(values: Iterable[float], q: float) -> float | None:
     return percentile(data, q) if data else None
 
 
+def _answer_tokens(fleet: Mapping[str, Any]) -> str:
+    """What each request asked for: a fixed length, or a seeded uniform spread around it."""
+    mean, spread = fleet["max_tokens"], fleet.get("max_tokens_spread", 0)
+    if not spread:
+        return str(mean)
+    return f"{mean - spread}-{mean + spread} (uniform, mean {mean}, the same for every arm)"
+
+
 def _served(r: list[Any]) -> bool:
     return bool(r[3] == 200 and not r[7])
 
@@ -294,7 +302,7 @@ def render(suite: dict[str, Any]) -> str:
     out = [
         f"1 prefill and 1 decode `narwhal-sim` engine, each refusing beyond "
         f"`--max-concurrency` {f['max_concurrency']}, ITL {f['itl_ms']:.0f} ms, "
-        f"{f['max_tokens']} tokens per answer (streamed), {f['prompt_words']}-word prompts: "
+        f"{_answer_tokens(f)} tokens per answer (streamed), {f['prompt_words']}-word prompts: "
         f"a capacity of {f['capacity_rps']:.1f} requests/s. Each arm ran "
         f"{suite['unloaded_s']:.0f} s unloaded ({suite['unloaded_load']:.0%} of capacity, "
         "priority 0), then "

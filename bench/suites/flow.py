@@ -33,6 +33,7 @@ CONCURRENCY = 8  # per engine: the sims' --max-concurrency, Narwhal's engines[].
 ITL_MS = 20.0
 TTFT_PER_TOKEN_MS = 1.0
 MAX_TOKENS = 16
+MAX_TOKENS_SPREAD = 8  # each answer 8-24 tokens, 16 on average (see FlowSpec)
 PROMPT_WORDS = 32
 OVERLOAD = 2.0  # offered load over capacity
 UNLOADED = 0.1  # the unloaded run's load over capacity
@@ -117,6 +118,7 @@ def _spec(name: str, url: str, model: str, cls: tuple[FlowClass, ...], s: float)
         duration_s=s,
         deadline_s=REQUEST_TIMEOUT_S + CLIENT_GRACE_S,
         max_tokens=MAX_TOKENS,
+        max_tokens_spread=MAX_TOKENS_SPREAD,
         prompt_words=PROMPT_WORDS,
     )
 
@@ -204,6 +206,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "itl_ms": ITL_MS,
             "ttft_per_token_ms": TTFT_PER_TOKEN_MS,
             "max_tokens": MAX_TOKENS,
+            "max_tokens_spread": MAX_TOKENS_SPREAD,
             "prompt_words": PROMPT_WORDS,
             "capacity_rps": capacity_rps(),
         },

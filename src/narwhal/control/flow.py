@@ -4,7 +4,7 @@ router, fed by every data plane's asks and by the clock, its answers delivered b
 The room it decides on is read live at each step: each role's eligible engines of the
 request's model, Narwhal's in-flight on each (summed over the workers), their
 `max_concurrency`, and the last scrape of their own queue and KV usage. A pass runs on every
-event, at the next deadline, and every `TICK_S` while requests wait (a prefill's slot is
+event, at the next deadline, and every `TICK_S` while requests wait (a slot may be
 freed without an event). When admission closes (the lease lost, the monitor degraded) every
 waiting request is answered 503 at once.
 """
@@ -40,7 +40,7 @@ from narwhal.telemetry.metrics import FlowMetrics
 
 log = logging.getLogger("narwhal.flow")
 
-TICK_S = 0.05  # while requests wait: a freed prefill slot is seen within this
+TICK_S = 0.01  # while requests wait: a slot freed without an event is seen within this
 PRUNE_S = 60.0  # full buckets and idle counters forgotten this often
 
 Deliver = Callable[[FlowEffect], None]
