@@ -539,6 +539,12 @@ class Router:
             cached_blocks=blocks,
             lookup_tokens=self.metrics.data_totals("narwhal_prefix_lookup_tokens", "model"),
             hit_tokens=self.metrics.data_totals("narwhal_prefix_hit_tokens", "model"),
+            engine_lookup_tokens=self.metrics.data_totals(
+                "narwhal_prefix_engine_lookup_tokens", "engine"
+            ),
+            engine_hit_tokens=self.metrics.data_totals(
+                "narwhal_prefix_engine_hit_tokens", "engine"
+            ),
         )
 
     def _engine_rows(self, now: float) -> tuple[admin_views.EngineRow, ...]:

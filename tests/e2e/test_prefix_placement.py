@@ -104,6 +104,7 @@ async def test_a_prefix_stored_on_an_engine_draws_its_requests_there_by_its_even
     async with aiohttp.ClientSession() as http:
         hit = await metric(http, b.url, "narwhal_prefix_hit_tokens_total", model=MODEL)
         looked = await metric(http, b.url, "narwhal_prefix_lookup_tokens_total", model=MODEL)
+        p1_hit = await metric(http, b.url, "narwhal_prefix_engine_hit_tokens_total", engine="p1")
         async with http.get(b.url + "/admin/engines") as resp:
             shown = (await resp.json())["placement"]
     assert 0 < hit <= looked
@@ -115,6 +116,10 @@ async def test_a_prefix_stored_on_an_engine_draws_its_requests_there_by_its_even
         "hit_rate": hit / looked,
     }
     assert shown["cached_blocks"]["p1"] > 0 and shown["cached_blocks"]["p0"] == 0
+    # Per prefill engine chosen: every placement went to p1, so its counts are the model's.
+    assert p1_hit == hit
+    assert shown["engines"]["p1"] == shown["models"][MODEL]
+    assert "p0" not in shown["engines"]
 
 
 async def test_without_prefix_placement_the_same_prompts_rotate(

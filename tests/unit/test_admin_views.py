@@ -147,11 +147,15 @@ def test_placement_shows_each_model_s_hit_rate_and_each_engine_s_blocks() -> Non
         cached_blocks={"p0": 120, "p1": 0},
         lookup_tokens={"m": 1000.0, "idle": 0.0},
         hit_tokens={"m": 930.0},
+        engine_lookup_tokens={"p0": 800.0, "p1": 200.0},
+        engine_hit_tokens={"p0": 780.0, "p1": 150.0},
     )
     doc = views.placement(p)
     assert doc["policy"] == "prefix" and doc["cached_blocks"] == {"p0": 120, "p1": 0}
     assert doc["models"]["m"] == {"lookup_tokens": 1000.0, "hit_tokens": 930.0, "hit_rate": 0.93}
     assert doc["models"]["idle"]["hit_rate"] is None
+    assert doc["engines"]["p0"]["hit_rate"] == 780.0 / 800.0
+    assert doc["engines"]["p1"] == {"lookup_tokens": 200.0, "hit_tokens": 150.0, "hit_rate": 0.75}
     snap = replace(snapshot(row(state())), placement=p)
     assert views.engines_document(snap)["placement"] == doc
     assert views.dashboard(snap)["placement"] == doc
@@ -164,11 +168,15 @@ def test_narwhal_status_prints_the_placement_in_one_line() -> None:
             "policy": "prefix",
             "cached_blocks": {"p0": 120, "p1": 80},
             "models": {"m": {"lookup_tokens": 10000.0, "hit_tokens": 9310.0, "hit_rate": 0.931}},
+            "engines": {
+                "p0": {"lookup_tokens": 6000.0, "hit_tokens": 5700.0, "hit_rate": 0.95},
+                "p1": {"lookup_tokens": 0.0, "hit_tokens": 0.0, "hit_rate": None},
+            },
         }
     )
     assert line == (
         "placement: prefix; m hit rate 93.1% (9,310 of 10,000 prompt tokens); "
-        "cached blocks p0 120, p1 80"
+        "hit rate by prefill engine p0 95.0%, p1 -; cached blocks p0 120, p1 80"
     )
     assert placement_line({"policy": "least_loaded", "cached_blocks": {}, "models": {}}) == (
         "placement: least_loaded"

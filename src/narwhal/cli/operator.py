@@ -116,6 +116,12 @@ def placement_line(p: dict[str, Any]) -> str:
             f"{model} hit rate {rate} ({x['hit_tokens']:,.0f} of {x['lookup_tokens']:,.0f} "
             "prompt tokens)"
         )
+    rates = ", ".join(
+        f"{e} {'-' if x['hit_rate'] is None else format(x['hit_rate'], '.1%')}"
+        for e, x in p.get("engines", {}).items()
+    )
+    if rates:
+        parts.append(f"hit rate by prefill engine {rates}")
     blocks = ", ".join(f"{e} {n}" for e, n in p.get("cached_blocks", {}).items())
     if blocks:
         parts.append(f"cached blocks {blocks}")

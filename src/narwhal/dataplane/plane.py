@@ -140,6 +140,8 @@ class DataPlane:
         self._prefix = prefix or PrefixPlacement(config, clock)
         self._prefix_lookups = Children(metrics.prefix_lookup_tokens)
         self._prefix_hits = Children(metrics.prefix_hit_tokens)
+        self._prefix_engine_lookups = Children(metrics.prefix_engine_lookup_tokens)
+        self._prefix_engine_hits = Children(metrics.prefix_engine_hit_tokens)
         self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
         self._by_key = Children(metrics.key_requests)
         self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
@@ -494,6 +496,8 @@ class DataPlane:
             if role is not Role.DECODE:
                 self._prefix_lookups(prompt.model).inc(prompt.tokens)
                 self._prefix_hits(prompt.model).inc(matched)
+                self._prefix_engine_lookups(engine_id).inc(prompt.tokens)
+                self._prefix_engine_hits(engine_id).inc(matched)
             self._prefix.placed(prompt, engine_id, matched, prefill=role is not Role.DECODE)
         try:
             yield self._fleet.get(engine_id)

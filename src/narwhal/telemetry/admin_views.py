@@ -11,7 +11,7 @@ of its own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.engine.failures import FailureClass
@@ -47,25 +47,36 @@ class StatsSnapshot:
 @dataclass(frozen=True, slots=True)
 class PlacementSnapshot:
     """Cache-aware placement at a glance: the policy, each engine's entries in this
-    process's index, and per model the prompt tokens looked up and found cached."""
+    process's index, and per model and per prefill engine chosen the prompt tokens looked up
+    and found cached."""
 
     policy: str
     cached_blocks: Mapping[str, int]
     lookup_tokens: Mapping[str, float]
     hit_tokens: Mapping[str, float]
+    engine_lookup_tokens: Mapping[str, float] = field(default_factory=dict)
+    engine_hit_tokens: Mapping[str, float] = field(default_factory=dict)
+
+
+def _hit_rates(looked: Mapping[str, float], hits: Mapping[str, float]) -> dict[str, Any]:
+    return {
+        name: {
+            "lookup_tokens": n,
+            "hit_tokens": hits.get(name, 0.0),
+            "hit_rate": hits.get(name, 0.0) / n if n else None,
+        }
+        for name, n in sorted(looked.items())
+    }
 
 
 def placement(p: PlacementSnapshot) -> dict[str, Any]:
     """The `placement` part of `/admin/engines` and the dashboard."""
-    models = {}
-    for model, looked in sorted(p.lookup_tokens.items()):
-        hit = p.hit_tokens.get(model, 0.0)
-        models[model] = {
-            "lookup_tokens": looked,
-            "hit_tokens": hit,
-            "hit_rate": hit / looked if looked else None,
-        }
-    return {"policy": p.policy, "cached_blocks": dict(p.cached_blocks), "models": models}
+    return {
+        "policy": p.policy,
+        "cached_blocks": dict(p.cached_blocks),
+        "models": _hit_rates(p.lookup_tokens, p.hit_tokens),
+        "engines": _hit_rates(p.engine_lookup_tokens, p.engine_hit_tokens),
+    }
 
 
 @dataclass(frozen=True, slots=True)

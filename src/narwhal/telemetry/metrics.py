@@ -148,6 +148,18 @@ class DataMetrics:
             ["model"],
             registry=r,
         )
+        self.prefix_engine_lookup_tokens = Counter(
+            "narwhal_prefix_engine_lookup_tokens",
+            "Prompt tokens placed on each prefill engine by cache-aware placement",
+            ["engine"],
+            registry=r,
+        )
+        self.prefix_engine_hit_tokens = Counter(
+            "narwhal_prefix_engine_hit_tokens",
+            "Prompt tokens found cached on each prefill engine when it was chosen",
+            ["engine"],
+            registry=r,
+        )
         self.client_rejected = Counter(
             "narwhal_client_rejected",
             "Client connections and requests refused at the edge, by reason (header_timeout, "
