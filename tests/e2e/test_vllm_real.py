@@ -8,7 +8,8 @@ metrics showing that it computed no prompt token and read them all from the pref
 `return_token_ids` (what migration reads); the `/metrics` names Narwhal and the sim share with
 vLLM; and the KV events' wire format (docs/engines.md, "KV events on the wire") read with
 pyzmq: PUB frames, msgpack batches, BlockStored / BlockRemoved / AllBlocksCleared, the replay
-socket.
+socket; and those events feeding `placement.policy: prefix` with both servers as unified
+engines (a prompt goes to the engine that holds its prefix, read from vLLM's own counters).
 """
 
 from __future__ import annotations
@@ -462,3 +463,75 @@ async def test_kv_events_of_a_pd_handoff(
     seen = {name: await sub.wait_for(mine, f"{name}'s BlockStored") for name, sub in subs.items()}
     assert seen["prefill"][0]["block_hashes"] == seen["decode"][0]["block_hashes"]
     assert seen["prefill"][0]["token_ids"] == seen["decode"][0]["token_ids"]
+
+
+async def test_kv_events_place_a_prompt_on_the_vllm_engine_that_holds_its_prefix(
+    start_router: StartRouter,
+    servers: Servers,
+    vllm: VllmInstall,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Issue 30's real-engine check: two vLLM engines (unified), each given a prompt directly,
+    behind the router's back, so that only their KV events can tell Narwhal which holds what.
+    Requests extending each prompt, through Narwhal, go to its holder: read back from vLLM's own
+    prefix-cache counters. Two in a row to each engine, the second engine first: rotation
+    (least_loaded's tie-break) alternates, and could not pass."""
+    engines = [
+        {
+            "id": engine_id,
+            "url": server.url,
+            "role": "both",
+            "kv_events": {"endpoint": server.events_url, "replay_endpoint": server.replay_url},
+        }
+        for engine_id, server in (("a", servers.prefill), ("b", servers.decode))
+    ]
+    placement = {"policy": "prefix", "tokenizers": {MODEL_ALIAS: str(vllm.tokenizer)}}
+    rr = await start_router(engines, placement=placement, **SECTIONS)
+    await eventually(lambda: rr.router.ready() is None, timeout_s=30, what="router ready")
+
+    # Under the sliding window (512 tokens) of Gemma 3's first KV-cache group, which is the
+    # group Narwhal indexes: its blocks stay until evicted.
+    prompts = {"a": unique(PROMPT * 8), "b": unique("In the beginning the sea was dark. " * 14)}
+
+    async def holder(prompt: str) -> str | None:
+        body = {"model": MODEL_ALIAS, "prompt": prompt + " The end.", "max_tokens": 1}
+        async with http.post(rr.url + "/admin/placement", json=body) as r:
+            assert r.status == 200, await r.text()
+            view = await r.json()
+        best = view["prefill"][0]
+        return str(best["id"]) if best["matched_tokens"] > 0 else None
+
+    # Each engine computes its prompt; Narwhal learns where from the events alone. ZMQ drops
+    # what a PUB sends before the subscription arrives: resend until the index has it.
+    for engine_id, server in (("a", servers.prefill), ("b", servers.decode)):
+
+        async def learned(engine_id: str = engine_id, server: VllmServer = server) -> bool:
+            await complete(http, server.url, prompts[engine_id])
+            return await holder(prompts[engine_id]) == engine_id
+
+        await eventually(learned, timeout_s=60, interval_s=0.5, what=f"{engine_id}'s events")
+
+    client = openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="unused", max_retries=0)
+    for engine_id, server, other in (
+        ("b", servers.decode, servers.prefill),
+        ("a", servers.prefill, servers.decode),
+    ):
+        for question in (" What happened next?", " Who was there?"):
+            before = [await text_of(http, s.url) for s in (server, other)]
+            answer = await client.completions.create(
+                model=MODEL_ALIAS, prompt=prompts[engine_id] + question, max_tokens=2, temperature=0
+            )
+            after = [await text_of(http, s.url) for s in (server, other)]
+            hits = [
+                metric_sum(new, "vllm:prefix_cache_hits_total")
+                - metric_sum(old, "vllm:prefix_cache_hits_total")
+                for old, new in zip(before, after, strict=True)
+            ]
+            assert answer.usage is not None
+            # The holder computed the question only; the other engine saw nothing.
+            assert hits[0] >= answer.usage.prompt_tokens - 64, (engine_id, question, hits)
+            assert metric_sum(after[1], "vllm:prompt_tokens_total") == metric_sum(
+                before[1], "vllm:prompt_tokens_total"
+            )
+    metrics = await text_of(http, rr.url)
+    assert metric_sum(metrics, "narwhal_prefix_hit_tokens_total") > 0
