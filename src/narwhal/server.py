@@ -431,7 +431,7 @@ class Router:
 
     def _publish_loads(self, loads: dict[str, EngineLoad]) -> None:
         """Scraped engine loads to this process's placement and every worker's."""
-        self.dataplane.prefix.loads = loads
+        self.dataplane.prefix.set_loads(loads)
         self._loads = loads
         self.flow.handle(Tick())  # an engine's queue may have emptied
         if self.supervisor is not None:

@@ -39,3 +39,17 @@ def test_a_load_goes_stale() -> None:
     load = EngineLoad(1, 1, 0.1, at=10.0)
     assert load.fresh(14.0, stale_s=5.0)
     assert not load.fresh(15.5, stale_s=5.0)
+
+
+def test_the_cache_size_is_its_blocks_times_block_size_over_the_ranks() -> None:
+    info = (
+        b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000",'
+        b'enable_prefix_caching="True"} 1.0\n'
+        b'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="500"} 1.0\n'
+    )
+    load = parse_load(VLLM + info, at=0.0)
+    assert load is not None and load.capacity_tokens == 1500 * 16
+    assert parse_load(VLLM, at=0.0) == EngineLoad(8, 5, 0.5, 0.0, capacity_tokens=None)
+    unprofiled = b'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
+    load = parse_load(VLLM + unprofiled, at=0.0)
+    assert load is not None and load.capacity_tokens is None

@@ -14,6 +14,7 @@ from narwhal.dataplane.prefix import PrefixPlacement, events_of
 from narwhal.dataplane.requests import parse_request
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Candidate, Ejection, EngineState
+from narwhal.placement.load import EngineLoad
 
 CONFIG = parse_config(
     {
@@ -160,3 +161,31 @@ def test_a_model_without_a_tokenizer_is_named_at_start(caplog: pytest.LogCapture
     assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == [
         "model m has no placement.tokenizers entry"
     ]
+    # Without events to key (no engine publishes), the same news is only information.
+    raw = CONFIG.model_dump(mode="json")
+    raw["placement"]["kv_events_port"] = None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="narwhal.placement"):
+        PrefixPlacement(parse_config(raw), FakeClock())
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+
+
+def test_an_engine_s_reported_cache_size_bounds_its_approximate_entries() -> None:
+    """vLLM's `cache_config_info` (num_gpu_blocks x block_size, read by the load scrape) sizes
+    the LRU of what Narwhal placed on an engine, unless `engines[].kv_capacity_tokens` is set."""
+    raw = CONFIG.model_dump(mode="json")
+    raw["engines"][0]["kv_capacity_tokens"] = 1 << 20
+    config = parse_config(raw)
+    clock = FakeClock()
+    prefix = PrefixPlacement(config, clock)
+    prefix.sync(
+        [EngineState(config=e, role=e.role, generation=1.0) for e in config.engines],
+        clock.monotonic(),
+    )
+    small = EngineLoad(0, 0, 0.0, at=0.0, capacity_tokens=4 * 16)
+    prefix.set_loads({"p0": small, "p1": small})
+    for engine in ("p0", "p1"):
+        placed_on(prefix, engine)
+    # Its 4 most recent blocks, in the approximate tier and in the speculative one.
+    assert prefix.index.index_blocks("p1") == 2 * 4
+    assert prefix.index.index_blocks("p0") > 2 * 4  # configured: the scrape does not override

@@ -86,7 +86,13 @@ class PrefixPlacement:
         if self._tokenizer is not None:
             models = {config.model} | {e.model for e in config.engines if e.model is not None}
             for model in sorted(models - set(config.placement.tokenizers)):
-                log.warning(
+                # A warning only where engines publish events that go unused for want of it.
+                publishing = config.placement.kv_events_port is not None or any(
+                    e.kv_events is not None and (e.model or config.model) == model
+                    for e in config.engines
+                )
+                log.log(
+                    logging.WARNING if publishing else logging.INFO,
                     "placement: model %s has no placement.tokenizers entry: placed by text "
                     "blocks over Narwhal's own placements (its engines' KV events cannot be "
                     "keyed)",
@@ -95,6 +101,8 @@ class PrefixPlacement:
         self._seen: dict[str, tuple[bool, float | None]] = {}  # engine: (out, generation)
         # Each engine's own load, from its /metrics (control/load_scrape.py); replaced whole.
         self.loads: Mapping[str, EngineLoad] = {}
+        # Engines whose cache size the scrape may set (no `engines[].kv_capacity_tokens`).
+        self._scraped_capacity: set[str] = set()
         self._endpoints: dict[str, KvEventsEndpoint] = {}
         # Per engine: the uncached tokens of the prefills this process placed there lately (a
         # moving average), what `score.rank` charges for each request in its queue.
@@ -117,6 +125,8 @@ class PrefixPlacement:
                 # router's keys (over text) can never equal them: approximate index only.
                 endpoint = None
             if engine.id not in self._seen:
+                if config.kv_capacity_tokens is None:
+                    self._scraped_capacity.add(engine.id)
                 self.index.set_engine(
                     engine.id,
                     model=config.model or "",
@@ -147,7 +157,16 @@ class PrefixPlacement:
         for gone in set(self._seen) - present:
             self.index.remove_engine(gone)
             del self._seen[gone]
+            self._scraped_capacity.discard(gone)
             self._endpoints.pop(gone, None)
+
+    def set_loads(self, loads: Mapping[str, EngineLoad]) -> None:
+        """The engines' scraped loads; a reported cache size bounds the engine's approximate
+        entries, unless `engines[].kv_capacity_tokens` says otherwise."""
+        self.loads = loads
+        for engine, load in loads.items():
+            if load.capacity_tokens is not None and engine in self._scraped_capacity:
+                self.index.set_capacity(engine, load.capacity_tokens)
 
     def engines(self) -> list[str]:
         """The engines the index follows."""

@@ -118,6 +118,15 @@ class Placement:
             current.has_events = has_events
             current.has_replay = has_replay
 
+    def set_capacity(self, engine: str, capacity_tokens: int) -> None:
+        """The engine's cache size, as it reports it: the bound of its approximate entries."""
+        state = self._engines.get(engine)
+        if state is not None and state.capacity_tokens != capacity_tokens:
+            state.capacity_tokens = capacity_tokens
+            state.capacity_blocks = max(
+                1, capacity_tokens // self._models[state.model].block_size_tokens
+            )
+
     def drop_engine(self, engine: str) -> None:
         """Hygiene: the engine holds nothing now (ejected, drained, readmitted, restarted)."""
         state = self._engines.get(engine)

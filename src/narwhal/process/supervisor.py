@@ -407,7 +407,9 @@ class Supervisor:
 
     def send_loads(self, loads: Mapping[str, EngineLoad]) -> None:
         """The engines' scraped loads (placement), to every worker."""
-        wire = {k: [v.waiting, v.running, v.kv_usage, v.at] for k, v in loads.items()}
+        wire = {
+            k: [v.waiting, v.running, v.kv_usage, v.at, v.capacity_tokens] for k, v in loads.items()
+        }
         for w in self.workers:
             if w.channel is not None:
                 w.channel.send("loads", loads=wire)

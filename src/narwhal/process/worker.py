@@ -196,10 +196,12 @@ class Worker:
         elif kind == "placed":  # another worker's placement (cache-aware, DESIGN §11)
             self.dataplane.prefix.placed_elsewhere(frame["model"], frame["engine"], frame["keys"])
         elif kind == "loads":  # the engines' own load, scraped by the control process
-            self.dataplane.prefix.loads = {
-                engine: EngineLoad(int(w), int(r), float(kv), float(at))
-                for engine, (w, r, kv, at) in frame["loads"].items()
-            }
+            self.dataplane.prefix.set_loads(
+                {
+                    engine: EngineLoad(int(w), int(r), float(kv), float(at), capacity)
+                    for engine, (w, r, kv, at, capacity) in frame["loads"].items()
+                }
+            )
         elif kind == "move":
             self.dataplane.move_streams(frame["engine"])
         elif kind == "drain":
