@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,24 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         assert answer.usage.prompt_tokens_details.cached_tokens == answer.usage.prompt_tokens
         assert chat.choices[0].message.content
+
+        # The banner's shared-prefix workload, as printed but shorter, then the hit rate
+        # `narwhal status` shows: the demo places by prefix over engines that cache them.
+        (bench,) = [
+            line.split()[1:]
+            for line in banner.splitlines()
+            if line.strip().startswith("narwhal-sim bench ")
+        ]
+        bench[bench.index("--duration-s") + 1] = "2"
+        ran = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "narwhal.sim.cli", *bench, stdout=subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(ran.communicate(), timeout=30)
+        assert ran.returncode == 0 and b"(0 errors)" in out, out
+        status = await narwhal("status", "--url", url)
+        assert status.code == 0, status.err
+        rate = re.search(r"demo-model hit rate ([\d.]+)%", status.out)
+        assert rate and float(rate[1]) > 50, status.out
 
         # The banner's membership commands, as printed, against the live demo.
         commands = [

@@ -18,6 +18,7 @@ import pytest
 
 import narwhal
 from narwhal.sim.fleet import check_layout, fleet_specs
+from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.sim_process import READY_PREFIX, SimFactory, SimProcess
 
@@ -193,6 +194,23 @@ def test_bench_measures_an_engine(sim_factory: SimFactory, stream: bool) -> None
         if line.startswith("narwhal_sim_requests_total{")
     )
     assert served >= int(requests)  # the engine saw every request bench counted
+
+
+def test_bench_s_shared_prefix_workload_is_mostly_cached_prefixes(sim_factory: SimFactory) -> None:
+    """Two preambles of 100 words, each request one of them and an 8-word question: an
+    engine that caches prefixes computes little more than the questions."""
+    sim = sim_factory("--itl-ms", "0", "--ttft-per-token-ms", "0", "--kv-blocks", "512")
+    cmd = [sys.executable, "-m", "narwhal.sim.cli", "bench", "--url", sim.url, "--seed", "7"]
+    cmd += ["--workload", "shared-prefix", "--groups", "2", "--prefix-words", "100"]
+    cmd += ["--concurrency", "2", "--duration-s", "1", "--max-tokens", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    match = _SUMMARY.match(result.stdout.strip())
+    assert match and int(match[1]) > 2 and int(match[2]) == 0, result.stdout
+    metrics = sim.metrics()
+    queries = metric_sum(metrics, "vllm:prefix_cache_queries_total")
+    hits = metric_sum(metrics, "vllm:prefix_cache_hits_total")
+    assert queries > 0 and hits / queries > 0.75, (hits, queries)
 
 
 # --- refusals: exit 2 for bad arguments, 1 for an engine that cannot start -----------------------

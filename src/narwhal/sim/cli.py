@@ -2,7 +2,7 @@
 
 narwhal-sim [serve] --port 9001 --role prefill --kv-role kv_producer
 narwhal-sim fleet --prefill 2 --decode 2 --base-port 9001
-narwhal-sim bench --url http://127.0.0.1:9001
+narwhal-sim bench --url http://127.0.0.1:9001 [--workload shared-prefix]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from narwhal.cli.args import (
     ranged,
 )
 from narwhal.clock import SystemClock
-from narwhal.sim.bench import run_bench
+from narwhal.sim.bench import SharedPrefix, run_bench
 from narwhal.sim.config import KvRole, LoadFailurePolicy, Role, SimConfig
 from narwhal.sim.faults import FaultSpec
 from narwhal.sim.fleet import FLEET_SETS, check_layout, ignore_stop_signals, run_fleet
@@ -137,6 +137,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration-s", type=POSITIVE, default=5.0)
     bench.add_argument("--max-tokens", type=POSITIVE_INT, default=16)
     bench.add_argument("--stream", action="store_true")
+    bench.add_argument("--model", default="demo-model", help="the body's `model`")
+    bench.add_argument(
+        "--workload",
+        choices=["repeat", "shared-prefix"],
+        default="repeat",
+        help="repeat: one prompt every time; shared-prefix: GROUPS long system prompts, each "
+        "request one of them and a short question",
+    )
+    bench.add_argument("--groups", type=POSITIVE_INT, default=16, help="shared-prefix groups")
+    bench.add_argument(
+        "--prefix-words", type=POSITIVE_INT, default=400, help="words per shared-prefix preamble"
+    )
+    bench.add_argument("--seed", type=int, default=None, help="seed the workload's prompts")
     for command in (serve, fleet, bench):
         command.set_defaults(command_parser=command)  # its own usage line for errors
     return parser
@@ -266,6 +279,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             asyncio.run(run_fleet(args.prefill, args.decode, args.base_port, args.host, extra))
         )
     else:
+        rng = random.Random(args.seed)
+        workload = None
+        if args.workload == "shared-prefix":
+            workload = SharedPrefix.generate(rng, args.groups, args.prefix_words)
         result = asyncio.run(
             run_bench(
                 args.url,
@@ -274,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 max_tokens=args.max_tokens,
                 stream=args.stream,
                 clock=SystemClock(),
+                model=args.model,
+                workload=workload,
+                rng=rng,
             )
         )
         print(result.summary(), flush=True)
