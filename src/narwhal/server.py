@@ -509,7 +509,7 @@ class Router:
             waiting=waiting,
             running=len(flow.state) - len(waiting),
             refused=dict(flow.refused),
-            limited_by_key={k: dict(v) for k, v in flow.limited_by_key.items()},
+            refused_by_key={k: dict(v) for k, v in flow.refused_by_key.items()},
             served_tokens=dict(flow.served_tokens),
         )
 

@@ -330,6 +330,6 @@ async def test_a_keys_tokens_per_minute_answer_429_with_the_tokens_headers_after
     assert 'narwhal_shed_total{reason="tokens_per_minute"} 2.0' in text
     async with http.get(rr.url + "/admin/flow") as resp:
         flow = await resp.json()
-    assert flow["limited_by_key"] == {_label("sk-small"): {"tokens_per_minute": 2}}, flow
+    assert flow["refused_by_key"] == {_label("sk-small"): {"tokens_per_minute": 2}}, flow
     assert flow["refused"]["tokens_per_minute"] == 2
     assert flow["served_tokens"][_label("sk-small")] == 6 * len(served), flow

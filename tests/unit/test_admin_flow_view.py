@@ -28,7 +28,7 @@ def snapshot(**changes: object) -> views.FlowSnapshot:
         waiting=((5, 99.5), (0, 98.0), (0, 99.0), (5, 97.5), (0, 99.9)),
         running=2,
         refused=REFUSED,
-        limited_by_key={"0123456789ab": {"requests_per_minute": 1}},
+        refused_by_key={"0123456789ab": {"requests_per_minute": 1}},
         served_tokens={"0123456789ab": 40},
     )
     return replace(base, **changes)  # type: ignore[arg-type]
@@ -49,7 +49,7 @@ def test_refusals_by_reason_and_rate_limits_by_key() -> None:
     doc = views.flow(snapshot())
     assert doc["refused"] == REFUSED
     assert list(doc["refused"]) == sorted(REFUSED)
-    assert doc["limited_by_key"] == {"0123456789ab": {"requests_per_minute": 1}}
+    assert doc["refused_by_key"] == {"0123456789ab": {"requests_per_minute": 1}}
     assert doc["served_tokens"] == {"0123456789ab": 40}
 
 
@@ -77,12 +77,12 @@ def test_narwhal_status_prints_the_queue_then_each_priority_then_refusals() -> N
         "  priority 5: 2 waiting, oldest 2.5 s",
         "  refused: deadline 0, not_admitted 0, queue_full 3, requests_per_minute 1, "
         "tokens_per_minute 0",
-        "  rate-limited key 0123456789ab: requests_per_minute 1",
+        "  refused key 0123456789ab: requests_per_minute 1",
     ]
 
 
 def test_narwhal_status_says_when_the_queue_is_off() -> None:
-    off = views.flow(snapshot(enabled=False, waiting=(), running=0, limited_by_key={}))
+    off = views.flow(snapshot(enabled=False, waiting=(), running=0, refused_by_key={}))
     assert flow_lines(off)[0] == "flow: off, rate limits on"
-    quiet = views.flow(snapshot(enabled=False, rate_limits=False, waiting=(), limited_by_key={}))
+    quiet = views.flow(snapshot(enabled=False, rate_limits=False, waiting=(), refused_by_key={}))
     assert flow_lines(quiet)[0] == "flow: off"

@@ -1,6 +1,6 @@
 """Flow control's service in the control process (`control/flow.py`), on a fake clock, with
 the fleet's room as a value the test sets: a router that stops admitting starts nothing it
-held, and what `/admin/flow` counts (refusals by reason, rate limits by key, tokens by key)."""
+held, and what `/admin/flow` counts (refusals by reason and by key, tokens by key)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Harness:
             "serving": {"policy": "bounded"},
         }
         config = Config.model_validate({**base, **sections})
-        clock = FakeClock()
+        clock = self.clock = FakeClock()
         self.admission = Admission()
         self.service = FlowService(
             config,
@@ -93,7 +93,25 @@ def test_refusals_by_reason_rate_limits_by_key_and_served_tokens(monkeypatch: An
     assert isinstance(refused, Refuse) and refused.reason == "requests_per_minute"
     assert isinstance(h.ask("other", "b" * 12), Start)  # another key: no limit
     h.service.handle(Done("r1", 7))
-    assert h.service.limited_by_key == {KEY: {"requests_per_minute": 1}}
+    assert h.service.refused_by_key == {KEY: {"requests_per_minute": 1}}
     assert h.service.refused["requests_per_minute"] == 1
     assert h.service.refused["queue_full"] == 0  # every reason shows, counted or not
     assert h.service.served_tokens == {KEY: 7}
+
+
+def test_queue_refusals_are_counted_by_key_too() -> None:
+    """A keyed request shed from a full queue, or past its deadline, counts under its key as
+    a rate-limit refusal does: an operator sees which client the overload turned away."""
+    h = Harness(flow={"queue_limit": 1})
+    assert isinstance(h.ask("running"), Start)
+    h.free = 0.0
+    assert h.ask("w1", KEY) is None  # waits: the queue's one place
+    shed = h.ask("w2", "b" * 12)  # the newcomer, as served (nothing yet) and as low: refused
+    assert isinstance(shed, Refuse) and shed.reason == "queue_full"
+    assert h.service.refused_by_key == {"b" * 12: {"queue_full": 1}}
+    h.clock.advance(31.0)  # past the ask's wait of 30 s
+    h.service.tick()
+    assert [(a.id, a.reason) for a in h.answers[-1:] if isinstance(a, Refuse)] == [
+        ("w1", "deadline")
+    ]
+    assert h.service.refused_by_key == {"b" * 12: {"queue_full": 1}, KEY: {"deadline": 1}}

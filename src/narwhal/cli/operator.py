@@ -146,9 +146,9 @@ def flow_lines(f: dict[str, Any]) -> list[str]:
     refused = f.get("refused") or {}
     if refused:
         lines.append("  refused: " + ", ".join(f"{r} {n}" for r, n in refused.items()))
-    for key, reasons in (f.get("limited_by_key") or {}).items():
+    for key, reasons in (f.get("refused_by_key") or {}).items():
         counts = ", ".join(f"{r} {n}" for r, n in reasons.items())
-        lines.append(f"  rate-limited key {key}: {counts}")
+        lines.append(f"  refused key {key}: {counts}")
     return lines
 
 

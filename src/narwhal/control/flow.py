@@ -23,7 +23,6 @@ from narwhal.fleet.store import Fleet
 from narwhal.flow.reasons import ShedReason
 from narwhal.flow.saturation import EngineView, FlowLimits
 from narwhal.flow.state import (
-    Ask,
     Done,
     Fence,
     FlowEffect,
@@ -70,9 +69,9 @@ class FlowService:
         self._pruned_at = clock.monotonic()
         self.state = FlowState(config.flow.queue_limit, config.auth.policy_for)
         # What `/admin/flow` shows, since the start: refusals by reason (`not_admitted`: a
-        # 503 of a closed admission), rate-limit refusals by key, output tokens by key.
+        # 503 of a closed admission), the same by client key, output tokens by key.
         self.refused: Counter[str] = Counter(dict.fromkeys(_REFUSAL_REASONS, 0))
-        self.limited_by_key: dict[str, Counter[str]] = {}
+        self.refused_by_key: dict[str, Counter[str]] = {}
         self.served_tokens: Counter[str] = Counter()
         self._apply(config)
 
@@ -104,7 +103,7 @@ class FlowService:
                 self._metrics.client_tokens.labels(key).inc(event.output_tokens)
                 self.served_tokens[key] += event.output_tokens
         for effect in self.state.step(event, now, self.room):
-            self._count(effect, event)
+            self._count(effect)
             self.deliver(effect)
         self._metrics.observe_depth(self.state.queue.depth())
         if self.state.waiting():
@@ -114,20 +113,15 @@ class FlowService:
         """With one process, the data plane's link: the same step, no channel."""
         self.handle(event)
 
-    def _count(self, effect: FlowEffect, event: FlowEvent) -> None:
+    def _count(self, effect: FlowEffect) -> None:
         priority = str(effect.priority)
         if isinstance(effect, Start):
             if effect.waited_s > 0:
                 self._metrics.queue_wait.labels(priority).observe(effect.waited_s)
         elif isinstance(effect, Refuse):
             self.refused[effect.reason] += 1
-            if (
-                isinstance(event, Ask)
-                and event.key is not None
-                and effect.id == event.id
-                and effect.reason in _LIMIT_REASONS
-            ):
-                self.limited_by_key.setdefault(event.key, Counter())[effect.reason] += 1
+            if effect.key is not None:
+                self.refused_by_key.setdefault(effect.key, Counter())[effect.reason] += 1
             if effect.reason in _SHED_REASONS:
                 self._metrics.shed.labels(effect.reason).inc()
             if effect.waited_s > 0:
@@ -191,6 +185,5 @@ class FlowService:
 
 
 _SHED_REASONS = frozenset(r.value for r in ShedReason)
-_LIMIT_REASONS = frozenset((ShedReason.REQUESTS_PER_MINUTE, ShedReason.TOKENS_PER_MINUTE))
 NOT_ADMITTED = "not_admitted"  # a 503: admission closed (not shedding)
 _REFUSAL_REASONS = (*sorted(_SHED_REASONS), NOT_ADMITTED)

@@ -129,6 +129,7 @@ class Refuse:
     headers: Mapping[str, str]
     priority: int
     waited_s: float = 0.0
+    key: str | None = None  # the client key's label, for the refusals counted by key
 
     @property
     def error_type(self) -> str:
@@ -372,13 +373,13 @@ class FlowState:
             self.limiter.settle(held.ask.key, held.limits, held.ask.rate_tokens, 0, now)
         return Refuse(
             entry.id, held.ask.worker, 429, reason, _MESSAGES[reason],
-            self.retry_after_s(now), {}, entry.priority, now - entry.enqueued_at,
+            self.retry_after_s(now), {}, entry.priority, now - entry.enqueued_at, held.ask.key,
         )  # fmt: skip
 
     def _shed_newcomer(self, ask: Ask, reason: ShedReason, now: float) -> Refuse:
         return Refuse(
             ask.id, ask.worker, 429, reason, _MESSAGES[reason], self.retry_after_s(now), {},
-            ask.priority,
+            ask.priority, 0.0, ask.key,
         )  # fmt: skip
 
     def _limited(
@@ -402,8 +403,9 @@ class FlowState:
                 f"Please try again in {retry_after_s}s."
             )
         return Refuse(
-            ask.id, ask.worker, 429, reason, message, retry_after_s, headers, ask.priority
-        )
+            ask.id, ask.worker, 429, reason, message, retry_after_s, headers, ask.priority, 0.0,
+            ask.key,
+        )  # fmt: skip
 
     def _fenced(self, held: _Held, reason: str, now: float) -> Refuse:
         if held.ask.key is not None:
@@ -411,7 +413,7 @@ class FlowState:
         return Refuse(
             held.ask.id, held.ask.worker, 503, "not_admitted",
             f"not admitting requests: {reason}", 1, {}, held.ask.priority,
-            now - held.enqueued_at,
+            now - held.enqueued_at, held.ask.key,
         )  # fmt: skip
 
 

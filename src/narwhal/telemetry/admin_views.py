@@ -93,7 +93,7 @@ class FlowSnapshot:
     waiting: tuple[tuple[int, float], ...]
     running: int  # started through flow control, not ended
     refused: Mapping[str, int]  # by reason: a `ShedReason` value, or `not_admitted` (503)
-    limited_by_key: Mapping[str, Mapping[str, int]]  # key label -> rate-limit reason -> count
+    refused_by_key: Mapping[str, Mapping[str, int]]  # key label -> reason -> count
     served_tokens: Mapping[str, int]  # output tokens by key label
 
 
@@ -119,7 +119,7 @@ def flow(f: FlowSnapshot) -> dict[str, Any]:
         "oldest_wait_s": max((p["oldest_wait_s"] for p in priorities), default=None),
         "priorities": priorities,
         "refused": dict(sorted(f.refused.items())),
-        "limited_by_key": {k: dict(sorted(v.items())) for k, v in sorted(f.limited_by_key.items())},
+        "refused_by_key": {k: dict(sorted(v.items())) for k, v in sorted(f.refused_by_key.items())},
         "served_tokens": dict(sorted(f.served_tokens.items())),
     }
 
