@@ -688,17 +688,18 @@ class Router:
                 # warm at takeover; with workers it explains decisions for /admin).
                 interval_s = self.config.placement.metrics_interval_s
                 tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))
-                # The engines' own load: placement's ranking, and flow control's saturation.
-                if self.dataplane.prefix.enabled or self.config.flow_on:
-                    scraper = LoadScraper(
-                        lambda: self.fleet,
-                        self.client,
-                        self.clock,
-                        interval_s,
-                        self.config.engine.health_timeout_s,
-                        self._publish_loads,
-                    )
-                    tg.create_task(scraper.run())
+                # The engines' own load: placement's ranking, and flow control's saturation
+                # (which a reload may turn on or off).
+                scraper = LoadScraper(
+                    lambda: self.fleet,
+                    self.client,
+                    self.clock,
+                    interval_s,
+                    self.config.engine.health_timeout_s,
+                    self._publish_loads,
+                    wanted=lambda: self.dataplane.prefix.enabled or self.config.flow_on,
+                )
+                tg.create_task(scraper.run())
                 tg.create_task(self.flow.run())
                 if self.config_path is not None:
                     asyncio.get_running_loop().add_signal_handler(

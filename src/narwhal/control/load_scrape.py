@@ -34,8 +34,10 @@ class LoadScraper:
         interval_s: float,
         timeout_s: float,
         publish: Publish,
+        wanted: Callable[[], bool] = lambda: True,
     ) -> None:
         self._fleet = fleet
+        self._wanted = wanted  # read each round: a reload may turn flow control on or off
         self._client = client
         self._clock = clock
         self._interval_s = interval_s
@@ -44,9 +46,11 @@ class LoadScraper:
         self.loads: dict[str, EngineLoad] = {}
 
     async def run(self) -> None:
-        """Until cancelled."""
+        """Until cancelled: a scrape each interval while something wants the loads
+        (placement by prefix, flow control), none while nothing does."""
         while True:
-            await self.scrape_once()
+            if self._wanted():
+                await self.scrape_once()
             await self._clock.sleep(self._interval_s)
 
     async def scrape_once(self) -> None:
