@@ -212,6 +212,57 @@ def _oracle_note(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _index_section(suite: dict[str, Any]) -> list[str]:
+    """Narwhal's index at the end of each workload's highest step, beside what one core of
+    this machine ingests (measured in the same run)."""
+    top = max(suite["steps"], default=None)
+    rows = [r for r in suite["rows"] if "index_bytes" in r and r["clients"] == top]
+    if not rows:
+        return []
+    capacity = suite.get("ingestion_capacity") or {}
+    stored = capacity.get("stored")
+    body = [
+        [
+            r["arm"],
+            TITLES.get(r["workload"], r["workload"]),
+            num(r["index_blocks"], 0),
+            f"{r['index_bytes'] / 1e6:.1f}",
+            num(r["ingested_blocks_per_s"], 0),
+            _pct(r["ingested_blocks_per_s"] / stored) if stored else "-",
+        ]
+        for r in rows
+    ]
+    header = [
+        "arm",
+        "workload",
+        "index blocks",
+        "index MB (estimated)",
+        "blocks ingested/s",
+        "of one core",
+    ]
+    out = [
+        "### Index memory and event ingestion (highest step)",
+        "",
+        "Read from the control process's `/metrics` at the end of the step: "
+        "`narwhal_prefix_index_blocks` (every tier, all engines), `narwhal_prefix_index_bytes` "
+        "(each worker holds a copy of the same size), and the blocks its KV events stored and "
+        "removed during the step (`narwhal_kv_event_blocks_total`), which every worker ingests "
+        "as well.",
+        "",
+        table(header, body),
+        "",
+    ]
+    if stored:
+        out += [
+            f"One core of this machine decodes and applies {stored:,.0f} stored blocks/s and "
+            f"{capacity['removed']:,.0f} removed blocks/s (`bench/placement_bench.py`, "
+            '3,000 batches of 32 blocks, in this run); "of one core" is the step\'s ingestion '
+            "at the stored rate, per process.",
+            "",
+        ]
+    return out
+
+
 def render(suite: dict[str, Any]) -> str:
     fleet = suite["fleet"]
     rows = suite["rows"]
@@ -239,4 +290,5 @@ def render(suite: dict[str, Any]) -> str:
         mine = [r for r in rows if r["workload"] == workload]
         if mine:
             out += [f"### {title}", "", _rows_table(mine), ""]
+    out += _index_section(suite)
     return "\n".join(out)

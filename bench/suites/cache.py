@@ -25,6 +25,7 @@ from typing import Any
 from bench import web
 from bench.context import REQUEST_TIMEOUT_S, Context
 from bench.loadgen.workloads import Workload
+from bench.placement_bench import measure_ingestion
 from bench.routers import Engines, RouterSpec, Running, start_router
 from bench.sims import SimFlags, SimFleet
 from bench.suites.common import measure, run_spec
@@ -125,6 +126,17 @@ async def _cache_counters(engines: Engines) -> tuple[float, float]:
     return queried, hit
 
 
+def _indexes(router: Running) -> bool:
+    """Narwhal placing by prefix: it keeps an index (and exports its size)."""
+    placement = (router.spec.narwhal or {}).get("placement") or {}
+    return router.spec.kind == "narwhal" and placement.get("policy") == "prefix"
+
+
+async def _ingested(router: Running) -> float:
+    """Blocks stored and removed by the engines' events, as the control process applied them."""
+    return await web.metric(router.url + "/metrics", "narwhal_kv_event_blocks_total")
+
+
 async def _reset(engines: Engines) -> None:
     for url in engines.prefill:
         status, body = await web.call("POST", url + "/reset_prefix_cache")
@@ -166,7 +178,9 @@ async def _step(
         workload=shape.to_json(),
         ttft_slo_ms=TTFT_SLO_MS,
     )
+    index = _indexes(router)
     queried0, hit0 = await _cache_counters(engines)
+    ingested0 = await _ingested(router) if index else 0.0
     m = await measure(ctx, router, spec)
     queried1, hit1 = await _cache_counters(engines)
     r = m.result
@@ -188,6 +202,11 @@ async def _step(
         "throughput": r.throughput,
         "router_cpu_ms_per_request": m.router_cpu_s * 1000 / done if done else None,
     }
+    if index:  # Narwhal by prefix: its index's size and the events it took in, per process
+        metrics = router.url + "/metrics"
+        row["index_blocks"] = await web.metric(metrics, "narwhal_prefix_index_blocks")
+        row["index_bytes"] = await web.metric(metrics, "narwhal_prefix_index_bytes")
+        row["ingested_blocks_per_s"] = (await _ingested(router) - ingested0) / r.elapsed_s
     hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.0%}"
     p90 = (r.ttft_ms or {}).get("p90", float("nan"))
     ctx.log(
@@ -232,4 +251,6 @@ async def run(ctx: Context) -> dict[str, Any]:
             "drop_fraction": DROP_FRACTION,
         },
         "ttft_slo_ms": TTFT_SLO_MS,
+        # What one core of this machine decodes and applies, measured in this run.
+        "ingestion_capacity": dict(zip(("stored", "removed"), measure_ingestion(), strict=True)),
     }

@@ -148,6 +148,11 @@ async def test_an_engine_that_clears_its_cache_holds_nothing_in_the_index(
 
     before = await eventually(learned, timeout_s=10, what="p1's blocks in the index")
     assert before >= stored
+    async with aiohttp.ClientSession() as http:
+        ingested = await metric(http, rr.url, "narwhal_kv_event_blocks_total", engine="p1")
+        memory = await metric(http, rr.url, "narwhal_prefix_index_bytes")
+    assert ingested >= stored
+    assert memory >= before * 300  # an estimate: 315 to 380 bytes an entry
     status, _ = sims[1].http("POST", "/reset_prefix_cache")
     assert status == 200
 

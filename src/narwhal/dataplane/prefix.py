@@ -344,6 +344,11 @@ class PlacementCollector:
             "Sequence gaps in each engine's KV-event stream (replayed or dropped)",
             labels=["engine"],
         )
+        ingested = CounterMetricFamily(
+            "narwhal_kv_event_blocks",
+            "Blocks stored and removed by each engine's KV events, as applied to the index",
+            labels=["engine"],
+        )
         for engine in self._prefix.engines():
             counters = index.counters(engine)
             if counters is None:
@@ -351,6 +356,15 @@ class PlacementCollector:
             blocks.add_metric([engine], index.index_blocks(engine))
             events.add_metric([engine], counters.events)
             gaps.add_metric([engine], counters.gaps)
+            ingested.add_metric([engine], counters.stored_blocks + counters.removed_blocks)
         yield blocks
         yield events
         yield gaps
+        yield ingested
+        yield GaugeMetricFamily(
+            "narwhal_prefix_index_bytes",
+            "The placement index's memory in one process (the control process's; each worker "
+            "holds its own copy), estimated from its entries (about 380 bytes an exact block, "
+            "315 an approximate or speculative one)",
+            value=index.estimated_bytes(),
+        )
