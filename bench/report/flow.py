@@ -328,8 +328,10 @@ def render(suite: dict[str, Any]) -> str:
         "",
         f"Arms: `{JUDGED}` (`serving.policy: bounded`, `engines[].max_concurrency` "
         f"{f['max_concurrency']}, `flow.max_wait_s` {suite['max_wait_s']:.0f}, "
-        f"`flow.queue_limit` {suite['queue_limit']}, four client keys in `auth` with equal "
-        f"weights in `auth.key_policies`); `{BASELINE}` (the same under `single_attempt`: "
+        f"`flow.queue_limit` {suite['queue_limit']}, `flow.headroom_slots` "
+        f"{suite.get('headroom_slots', 0)} for priority 0, four client keys in `auth` with "
+        f"equal weights in `auth.key_policies`); `{JUDGED}-no-headroom` (the same without "
+        f"headroom); `{BASELINE}` (the same under `single_attempt`: "
         "flow control off, today's behaviour); vllm-router and sglang-router with "
         f"`--max-concurrent-requests {f['max_concurrency']} --queue-size {suite['queue_limit']} "
         f"--queue-timeout-secs {suite['max_wait_s']:.0f}` (a FIFO queue, no priorities or "

@@ -39,6 +39,10 @@ OVERLOAD = 2.0  # offered load over capacity
 UNLOADED = 0.1  # the unloaded run's load over capacity
 QUEUE_LIMIT = 1024  # Narwhal's flow.queue_limit, the peers' --queue-size
 SLO_FACTOR = 4.0  # priority 0's TTFT SLO: this times the unloaded TTFT p50
+# The judged arm's `flow.headroom_slots`: one slot of each role kept for priority 0, so that
+# an urgent arrival at a full fleet usually finds one (no preemption); an arm without it shows
+# the difference.
+HEADROOM_SLOTS = 1
 # Loopback only, not secrets. Key 0 is the heavy one.
 KEYS = tuple(f"sk-narwhal-flow-{name}-0123456789abcdef" for name in ("heavy", "k1", "k2", "k3"))
 # Offered load per (key, priority), as a share of the fleet's capacity; 2.0 in all. Every key
@@ -73,6 +77,7 @@ def arms(max_wait_s: int) -> list[RouterSpec]:
         "auth": {"key_policies": policies},
         "flow": {"max_wait_s": max_wait_s, "queue_limit": QUEUE_LIMIT},
     }
+    headroom = {**narwhal, "flow": {**narwhal["flow"], "headroom_slots": HEADROOM_SLOTS}}
     queue = (
         "--max-concurrent-requests",
         str(CONCURRENCY),
@@ -84,6 +89,14 @@ def arms(max_wait_s: int) -> list[RouterSpec]:
     return [
         RouterSpec(
             "narwhal-flow",
+            "narwhal",
+            policy="bounded",
+            api_key=keys,
+            narwhal=headroom,
+            engine_max_concurrency=CONCURRENCY,
+        ),
+        RouterSpec(
+            "narwhal-flow-no-headroom",
             "narwhal",
             policy="bounded",
             api_key=keys,
@@ -214,6 +227,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         "unloaded_load": UNLOADED,
         "max_wait_s": ctx.mode.flow_max_wait_s,
         "queue_limit": QUEUE_LIMIT,
+        "headroom_slots": HEADROOM_SLOTS,
         "slo_factor": SLO_FACTOR,
         "heavy_key": 0,
         "traffic": [[k, p, share] for (k, p), share in sorted(TRAFFIC.items())],

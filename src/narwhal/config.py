@@ -480,6 +480,10 @@ class FlowConfig(_Section):
     max_wait_s: PositiveFloat = 30.0
     engine_waiting_max: NonNegativeInt = 8  # an engine's own queue beyond this: full
     engine_kv_usage_max: float = Field(default=0.95, gt=0.0, le=1.0)  # KV cache beyond: full
+    # Slots of each role kept for requests of priority `headroom_priority` or lower (more
+    # urgent): a less urgent request starts only while more than this many are free.
+    headroom_slots: NonNegativeInt = 0
+    headroom_priority: int = 0
 
 
 class TracingConfig(_Section):

@@ -14,6 +14,7 @@ from narwhal.flow.state import (
     Done,
     Fence,
     FlowState,
+    Headroom,
     Refuse,
     Resize,
     Start,
@@ -91,6 +92,33 @@ def test_priority_first_then_arrival_and_a_newcomer_waits_its_turn() -> None:
         for request_id in ids(out, Start):
             state.step(Done(request_id), 1.0 + t, Fleet(0, 0))
     assert started == ["r2", "r1", "r3", "r0"]
+
+
+def test_headroom_keeps_the_last_slots_for_urgent_requests() -> None:
+    """With `headroom_slots: 1`, a less urgent request starts only while two slots are free:
+    the last one waits for priority 0 (or more urgent), which takes it at once on arrival."""
+    state, fleet = policies(), Fleet(2, 2)
+    state.headroom = Headroom(slots=1, priority=0)
+    assert ids(state.step(ask(0, priority=1), 0.0, fleet), Start) == ["r0"]
+    fleet.free = {"prefill": 1, "decode": 1}  # r0 placed: one slot left
+    assert state.step(Begun("r0", "prefill"), 0.0, fleet) == []
+    assert state.step(Begun("r0", "decode"), 0.0, fleet) == []
+    assert state.step(ask(1, priority=1), 0.0, fleet) == []  # waits: the last slot is kept
+    assert ids(state.step(ask(2, priority=-1), 0.0, fleet), Start) == ["r2"]  # more urgent
+    fleet.free = {"prefill": 0, "decode": 0}
+    state.step(Begun("r2", "prefill"), 0.0, fleet)
+    state.step(Begun("r2", "decode"), 0.0, fleet)
+    fleet.free = {"prefill": 1, "decode": 1}  # r0 ends: still only the kept slot
+    assert state.step(Done("r0"), 1.0, fleet) == []
+    assert ids(state.step(ask(3, priority=0), 1.0, fleet), Start) == ["r3"]
+    fleet.free = {"prefill": 0, "decode": 0}
+    state.step(Begun("r3", "prefill"), 1.0, fleet)
+    state.step(Begun("r3", "decode"), 1.0, fleet)
+    fleet.free = {"prefill": 2, "decode": 2}  # two free: the waiting r1 may start
+    assert ids(state.step(Tick(), 2.0, fleet), Start) == ["r1"]
+    # Without headroom (the default), every slot is anyone's.
+    plain, fleet = policies(), Fleet(1, 1)
+    assert ids(plain.step(ask(4, priority=2), 0.0, fleet), Start) == ["r4"]
 
 
 def test_a_full_queue_refuses_the_worst_with_429_and_retry_after() -> None:

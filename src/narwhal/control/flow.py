@@ -28,6 +28,7 @@ from narwhal.flow.state import (
     FlowEffect,
     FlowEvent,
     FlowState,
+    Headroom,
     Refuse,
     Resize,
     Start,
@@ -79,6 +80,7 @@ class FlowService:
         self._limits = FlowLimits.of(config.flow)
         self._stale_s = config.placement.metrics_stale_s
         self.state.policy_for = config.auth.policy_for
+        self.state.headroom = Headroom(config.flow.headroom_slots, config.flow.headroom_priority)
 
     def reconfigure(self, config: Config) -> None:
         """A reload: the new limits and key policies; the queue resized (what it sheds is

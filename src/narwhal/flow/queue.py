@@ -116,6 +116,12 @@ class WaitQueue:
         self._insert(entry)
         return Admission(True, shed, None if shed is None else ShedReason.QUEUE_FULL)
 
+    def next_priority(self, group: str = "") -> int | None:
+        """The priority of the entry of `group` that starts next (None: none waits)."""
+        levels = self._levels.get(group)
+        top = None if levels is None else levels.peek()
+        return None if top is None else top[0]
+
     def next_start(self, group: str = "") -> Entry | None:
         """Take the entry of `group` that starts next, charging its client its `tokens`;
         None when the group has none waiting."""

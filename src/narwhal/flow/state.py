@@ -164,6 +164,17 @@ Room = Callable[[str], Mapping[str, float]]
 a role has no eligible engine (the request then starts, and the data plane answers it)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """`slots` of each role only requests of priority `priority` or more urgent (lower) may
+    take (`flow.headroom_slots`, `flow.headroom_priority`): without preemption, an urgent
+    request arriving at a full fleet waits for a slot to free; with headroom it usually
+    finds one, at the cost of slots left idle while no urgent request comes."""
+
+    slots: int = 0
+    priority: int = 0
+
+
 @dataclass(slots=True)
 class _Held:
     ask: Ask
@@ -179,6 +190,7 @@ class FlowState:
 
     def __init__(self, limit: int, policy_for: Callable[[str | None], KeyPolicy]) -> None:
         self.policy_for = policy_for
+        self.headroom = Headroom()
         self.queue = WaitQueue(limit, lambda client: self.policy_for(client or None).weight)
         self.limiter = RateLimiter()
         self._held: dict[str, _Held] = {}
@@ -268,7 +280,7 @@ class FlowState:
             out.append(Start(ask.id, ask.worker, ask.priority, 0.0, headers))
             return
         group = ask.group
-        if not self.queue.has_waiting(group) and self._has_room(group, room):
+        if not self.queue.has_waiting(group) and self._has_room(group, room, ask.priority):
             self._held[ask.id] = held
             self.queue.counters.charge(ask.client, ask.tokens)
             out.append(self._grant(held, room, now, headers))
@@ -292,16 +304,20 @@ class FlowState:
         for entry in self.queue.expire(now):
             out.append(self._shed(entry, ShedReason.DEADLINE, now))
         for group in list(self._waiting_groups):
-            while self._has_room(group, room):
+            while (priority := self.queue.next_priority(group)) is not None:
+                if not self._has_room(group, room, priority):
+                    break  # the best waiting request cannot start: nothing after it can
                 head = self.queue.next_start(group)
-                if head is None:
-                    break
+                assert head is not None
                 held = self._held[head.id]
                 self._left_queue(held)
                 out.append(self._grant(held, room, now, {}))
 
-    def _has_room(self, group: str, room: Room) -> bool:
-        return all(free > self.unplaced(group, role) for role, free in room(group).items())
+    def _has_room(self, group: str, room: Room, priority: int) -> bool:
+        """Every role has a free slot for a request of `priority`; beyond the headroom's
+        priority, one more than the headroom (those slots wait for urgent requests)."""
+        kept = self.headroom.slots if priority > self.headroom.priority else 0
+        return all(free > self.unplaced(group, role) + kept for role, free in room(group).items())
 
     def _grant(self, held: _Held, room: Room, now: float, headers: Mapping[str, str]) -> Start:
         group = held.ask.group
