@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.test_lease_failover import (
-    Http,
-    Pair,
-    RouterProcess,
-    T,
-    _router_cfg,
-    _wait_listening,
-    _wait_ready,
-)
-from tests.support.etcd import free_port
+from tests.e2e.test_lease_failover import Pair, RouterProcess, T, _wait_ready, running_pair
 from tests.support.poll import eventually
 from tests.support.sim_process import SimFactory
 
@@ -75,53 +65,13 @@ async def flow_pair(
     request: pytest.FixtureRequest,
 ) -> AsyncIterator[Pair]:
     """router-a active with flow control on (`bounded`), router-b its warm standby."""
-    engines = _engines(sim_factory)
-    port_a, port_b = free_port(), free_port()
-    while port_b == port_a:
-        port_b = free_port()
-    lease_path = etcd = etcd_key = None
-    if backend == "file":
-        lease_path = tmp_path / "lease.json"
-        lease: dict[str, Any] = {"backend": "file", "path": str(lease_path)}
-        handoff_a = handoff_b = tmp_path / "state" / "handoff.json"
-    else:
-        etcd = request.getfixturevalue("etcd_server")
-        etcd_key = f"/narwhal-test/{uuid.uuid4().hex}/lease"
-        lease = {"backend": "etcd", "endpoints": [etcd.client_url], "key": etcd_key}
-        handoff_a = tmp_path / "a-state" / "handoff.json"
-        handoff_b = tmp_path / "b-state" / "handoff.json"
-    lease |= T.lease()
-    flow = {
+    sections = {
         "serving": {"policy": "bounded", "workers": workers, "request_timeout_s": 30},
         "flow": {"queue_limit": QUEUE_LIMIT},
     }
-    cfg_a = _router_cfg("router-a", port_a, port_b, engines, tmp_path, handoff_a, lease, T)
-    cfg_b = _router_cfg("router-b", port_b, port_a, engines, tmp_path, handoff_b, lease, T)
-    for cfg in (cfg_a, cfg_b):
-        cfg["serving"] = {**cfg["serving"], **flow["serving"]}
-        cfg["flow"] = flow["flow"]
-    a = RouterProcess("router-a", tmp_path, port_a, cfg_a, standby=False)
-    b = RouterProcess("router-b", tmp_path, port_b, cfg_b, standby=True)
-    http = Http()
-    pair = Pair(backend, T, a, b, http, handoff_a, lease_path, etcd, etcd_key)
-    try:
-        a.start()
-        await _wait_listening(http, a)
-        await _wait_ready(http, a, timeout_s=10)
-        b.start()
-        await _wait_listening(http, b)
-
-        async def b_following() -> bool:
-            lease_b = await http.lease(b)
-            return bool(lease_b and lease_b["role"] == "standby" and lease_b["followed_sequence"])
-
-        await eventually(b_following, timeout_s=10, what="router-b following as standby")
+    engines = _engines(sim_factory)
+    async with running_pair(backend, T, tmp_path, engines, request, sections) as pair:
         yield pair
-    finally:
-        for r in (a, b):
-            r.kill()
-        await http.close()
-        print(pair.logs())  # shown by pytest when the test failed
 
 
 async def _complete(

@@ -359,16 +359,17 @@ async def _wait_listening(http: Http, router: RouterProcess) -> None:
     await eventually(up, timeout_s=20, what=f"{router.name} listening")
 
 
-@pytest.fixture
-async def pair(
+@contextlib.asynccontextmanager
+async def running_pair(
     backend: str,
     timings: Timings,
     tmp_path: Path,
-    sim_factory: SimFactory,
+    engines: list[dict[str, Any]],
     request: pytest.FixtureRequest,
+    sections: dict[str, Any] | None = None,
 ) -> AsyncIterator[Pair]:
-    """router-a active (holds the lease, /ready 200); router-b its warm standby."""
-    engines = _engines(sim_factory)
+    """router-a active (holds the lease, /ready 200); router-b its warm standby, following.
+    `sections` are merged into both configs (`serving` key by key, others replaced)."""
     port_a, port_b = free_port(), free_port()
     while port_b == port_a:
         port_b = free_port()
@@ -389,6 +390,9 @@ async def pair(
     lease |= timings.lease()
     cfg_a = _router_cfg("router-a", port_a, port_b, engines, tmp_path, handoff_a, lease, timings)
     cfg_b = _router_cfg("router-b", port_b, port_a, engines, tmp_path, handoff_b, lease, timings)
+    for cfg in (cfg_a, cfg_b):
+        for name, section in (sections or {}).items():
+            cfg[name] = {**cfg[name], **section} if name == "serving" else section
     a = RouterProcess("router-a", tmp_path, port_a, cfg_a, standby=False)
     b = RouterProcess("router-b", tmp_path, port_b, cfg_b, standby=True)
     http = Http()
@@ -420,6 +424,19 @@ async def pair(
             r.kill()
         await http.close()
         print(p.logs())  # shown by pytest when the test failed
+
+
+@pytest.fixture
+async def pair(
+    backend: str,
+    timings: Timings,
+    tmp_path: Path,
+    sim_factory: SimFactory,
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[Pair]:
+    """router-a active (holds the lease, /ready 200); router-b its warm standby."""
+    async with running_pair(backend, timings, tmp_path, _engines(sim_factory), request) as p:
+        yield p
 
 
 # A stall this long would make a 0.3 s /ready poll (`Http.call`) go unanswered.
