@@ -138,6 +138,18 @@ class Router:
         self.evidence = EvidenceRecorder(self.fleet, self.clock, stats=self.stats)
         self.lifecycle = Lifecycle(self.fleet)
         self.engine_tasks = EngineTasks(self._spawn_engine_task)
+        self.resume = resume
+        self.resume_verdict: Verdict | None = None
+        self.standby = standby
+        self._build_data_plane(config, new_request_id)
+        self._build_control_plane(config, rng)
+        self._build_lease(config, filesystem, lease_store)
+        self._build_monitor(config, stage_overrides)
+        self._tasks: asyncio.TaskGroup | None = None
+
+    def _build_data_plane(self, config: Config, new_request_id: Callable[[], str] | None) -> None:
+        """This process's data plane, flow control's service and gate, and the pool and
+        connection gauges."""
         # This process's request ids are `<prefix>-N` (each worker has its own, logged as it
         # starts): a leg an engine received names the process that placed it.
         self.request_prefix = request_prefix()
@@ -176,6 +188,10 @@ class Router:
         m.pool_waiting.set_function(lambda: self.data_pool_usage()[1])
         self._connections = LocalConnections(config.serving.max_client_connections)
         m.client_connections.set_function(self.client_connections)
+
+    def _build_control_plane(self, config: Config, rng: random.Random | None) -> None:
+        """The monitor's stages' parts: health, suspects, probes, readmission, operator
+        actions, membership and discovery."""
         self.health = HealthStages(
             config,
             self.fleet,
@@ -240,6 +256,15 @@ class Router:
             if config.discovery.enabled
             else None
         )
+
+    def _build_lease(
+        self,
+        config: Config,
+        filesystem: Filesystem | None,
+        lease_store: LeaseStore | None,
+    ) -> None:
+        """The handoff writer and, with a lease backend, ownership (the lease keeper, etcd's
+        compaction and status) and the lease's admission check."""
         self.handoff = HandoffWriter(
             Path(config.handoff.path),
             config.effective_router_id,
@@ -250,9 +275,6 @@ class Router:
             fs=filesystem,
             on_dir_fsync_failure=self.metrics.handoff_dir_fsync_failures.inc,
         )
-        self.resume = resume
-        self.resume_verdict: Verdict | None = None
-        self.standby = standby
         self.ownership: Ownership | None = None
         self.compactor: Compactor | None = None  # etcd: the holder compacts its history
         self.etcd_status: EtcdStatusWatch | None = None  # etcd: size and alarms, every role
@@ -282,6 +304,9 @@ class Router:
             self.admission.add_check(
                 "lease", lambda: keeper.admission_reason(self.clock.monotonic())
             )
+
+    def _build_monitor(self, config: Config, stage_overrides: Mapping[str, Stage] | None) -> None:
+        """The monitor pass: its stages in order (a test may override some)."""
         stages: dict[str, Stage] = {
             "controller": self.small.controller,
             "health": self._health_stage,
@@ -300,7 +325,6 @@ class Router:
             self.metrics,
             self.clock,
         )
-        self._tasks: asyncio.TaskGroup | None = None
 
     async def _telemetry_stage(self, now: float) -> None:
         await self.small.telemetry(now)
