@@ -143,6 +143,19 @@ class Streams:
         finally:
             if resp is not None and not relay.complete:
                 resp.close()  # the engine sees the disconnect and aborts
+        return await self._finished(exchange, leg, relay, resp, request_deadline)
+
+    async def _finished(
+        self,
+        exchange: Exchange,
+        leg: Leg,
+        relay: Relay,
+        resp: EngineResponse | None,
+        request_deadline: float,
+    ) -> Result:
+        """The engine's stream ended: judge how (a failed relay, no `[DONE]`, an in-band
+        error, or a whole answer), settle the evidence, and finish the client's answer."""
+        legs, attempt, engine, splice = self._legs, leg.attempt, leg.engine, leg.attempt.splice
         if relay.phase is Phase.FAILED:
             assert relay.failure is not None
             return await self._engine_failed(exchange, leg, relay.failure, request_deadline)
