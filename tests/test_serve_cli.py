@@ -295,3 +295,29 @@ def test_a_demo_engine_that_cannot_start_is_a_one_line_start_up_failure(
                    "before listening"], err  # fmt: skip
     assert len(launched) == 5
     assert all(p.returncode is not None for p in launched), "every sim stopped with the demo"
+
+
+def test_a_demo_engine_that_cannot_be_launched_stops_those_launched_before_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A launch that raises (here: an executable that cannot be run) ends the demo with one
+    line, and the sims already started are stopped, not left behind."""
+    import asyncio
+
+    from narwhal.cli import demo, serve
+
+    real_launch = demo._launch
+    launched: list[asyncio.subprocess.Process] = []
+
+    async def second_launch_raises(role: str, *extra: str) -> asyncio.subprocess.Process:
+        if launched:
+            raise OSError(8, "Exec format error")
+        proc = await real_launch(role, *extra)
+        launched.append(proc)
+        return proc
+
+    monkeypatch.setattr(demo, "_launch", second_launch_raises)
+    assert serve._run(serve._demo("127.0.0.1:0")) == serve.EXIT_START
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["narwhal-serve: start-up failed: demo fleet: [Errno 8] Exec format error"], err
+    assert len(launched) == 1 and launched[0].returncode is not None, "the first sim stopped"

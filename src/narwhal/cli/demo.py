@@ -22,7 +22,7 @@ async def start_fleet(stack: AsyncExitStack, roles: list[str]) -> list[str]:
     """Start one `narwhal-sim` per role at once, each on an ephemeral port, and return their
     URLs in order. When the stack closes they are all terminated, then all waited for (one
     after another took 0.25 s each on a loaded host, and the demo's stop added them up)."""
-    procs = [await _launch(role) for role in roles]
+    procs: list[asyncio.subprocess.Process] = []
 
     async def stop() -> None:
         running = [p for p in procs if p.returncode is None]
@@ -30,7 +30,9 @@ async def start_fleet(stack: AsyncExitStack, roles: list[str]) -> list[str]:
             proc.terminate()
         await asyncio.gather(*(p.wait() for p in running))
 
-    stack.push_async_callback(stop)
+    stack.push_async_callback(stop)  # first: a launch that fails stops those before it
+    for role in roles:
+        procs.append(await _launch(role))
     async with asyncio.timeout(30):
         listening = (_listening(p, r) for p, r in zip(procs, roles, strict=True))
         return list(await asyncio.gather(*listening))
@@ -41,12 +43,12 @@ async def start_fleet(stack: AsyncExitStack, roles: list[str]) -> list[str]:
 KV_BLOCKS = 256
 
 
-async def _launch(role: str) -> asyncio.subprocess.Process:
+async def _launch(role: str, *extra: str) -> asyncio.subprocess.Process:
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "narwhal.sim.cli", "serve", "--port", "0",
         "--role", role, "--kv-role", kv_role, "--model", "demo-model",
-        "--block-size", "16", "--kv-blocks", str(KV_BLOCKS),
+        "--block-size", "16", "--kv-blocks", str(KV_BLOCKS), *extra,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
 
