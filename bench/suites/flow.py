@@ -39,9 +39,9 @@ OVERLOAD = 2.0  # offered load over capacity
 UNLOADED = 0.1  # the unloaded run's load over capacity
 QUEUE_LIMIT = 1024  # Narwhal's flow.queue_limit, the peers' --queue-size
 SLO_FACTOR = 4.0  # priority 0's TTFT SLO: this times the unloaded TTFT p50
-# The judged arm's `flow.headroom_slots`: one slot of each role kept for priority 0, so that
-# an urgent arrival at a full fleet usually finds one (no preemption); an arm without it shows
-# the difference.
+# `flow.headroom_slots` of the headroom arm: one slot of each role kept for priority 0, so
+# that an urgent arrival at a full fleet usually finds one (no preemption), at the cost of the
+# slot left idle while none comes. The judged arm runs the default (none).
 HEADROOM_SLOTS = 1
 # Loopback only, not secrets. Key 0 is the heavy one.
 KEYS = tuple(f"sk-narwhal-flow-{name}-0123456789abcdef" for name in ("heavy", "k1", "k2", "k3"))
@@ -92,15 +92,15 @@ def arms(max_wait_s: int) -> list[RouterSpec]:
             "narwhal",
             policy="bounded",
             api_key=keys,
-            narwhal=headroom,
+            narwhal=narwhal,
             engine_max_concurrency=CONCURRENCY,
         ),
         RouterSpec(
-            "narwhal-flow-no-headroom",
+            "narwhal-flow-headroom",
             "narwhal",
             policy="bounded",
             api_key=keys,
-            narwhal=narwhal,
+            narwhal=headroom,
             engine_max_concurrency=CONCURRENCY,
         ),
         RouterSpec(
