@@ -34,7 +34,7 @@ class LoadScraper:
         interval_s: float,
         timeout_s: float,
         publish: Publish,
-        wanted: Callable[[], bool] = lambda: True,
+        wanted: Callable[[], bool],
     ) -> None:
         self._fleet = fleet
         self._wanted = wanted  # read each round: a reload may turn flow control on or off

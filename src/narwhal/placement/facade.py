@@ -66,6 +66,11 @@ class _Engine:
     counters: EngineCounters = field(default_factory=EngineCounters)
     decoder: BatchDecoder = field(default_factory=BatchDecoder)
 
+    def resize(self, capacity_tokens: int, block_size_tokens: int) -> None:
+        """The cache size in tokens and in the model's blocks (at least one block)."""
+        self.capacity_tokens = capacity_tokens
+        self.capacity_blocks = max(1, capacity_tokens // block_size_tokens)
+
 
 class Placement:
     """The facade the request path, the subscribers and the control plane share."""
@@ -103,29 +108,21 @@ class Placement:
                 f"engine {engine}: block size {block_size_tokens} differs from the "
                 f"{index.block_size_tokens} of the other engines of model {model}"
             )
-        capacity_blocks = max(1, capacity_tokens // index.block_size_tokens)
         current = self._engines.get(engine)
         if current is not None and current.model != model:
             self.remove_engine(engine)
             current = None
         if current is None:
-            self._engines[engine] = _Engine(
-                model, capacity_tokens, capacity_blocks, has_events, has_replay
-            )
-        else:
-            current.capacity_tokens = capacity_tokens
-            current.capacity_blocks = capacity_blocks
-            current.has_events = has_events
-            current.has_replay = has_replay
+            current = self._engines[engine] = _Engine(model, 0, 0, has_events, has_replay)
+        current.resize(capacity_tokens, index.block_size_tokens)
+        current.has_events = has_events
+        current.has_replay = has_replay
 
     def set_capacity(self, engine: str, capacity_tokens: int) -> None:
         """The engine's cache size, as it reports it: the bound of its approximate entries."""
         state = self._engines.get(engine)
         if state is not None and state.capacity_tokens != capacity_tokens:
-            state.capacity_tokens = capacity_tokens
-            state.capacity_blocks = max(
-                1, capacity_tokens // self._models[state.model].block_size_tokens
-            )
+            state.resize(capacity_tokens, self._models[state.model].block_size_tokens)
 
     def drop_engine(self, engine: str) -> None:
         """Hygiene: the engine holds nothing now (ejected, drained, readmitted, restarted)."""
@@ -226,7 +223,7 @@ class Placement:
         )
         for state in self._engines.values():
             if state.model == model:
-                state.capacity_blocks = max(1, state.capacity_tokens // size)
+                state.resize(state.capacity_tokens, size)
         return index
 
     def block_size(self, model: str) -> int | None:
