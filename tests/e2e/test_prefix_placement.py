@@ -225,7 +225,8 @@ async def test_an_engine_with_a_queue_of_its_own_is_passed_over(
     start_router: StartRouter, tokenizer: Path
 ) -> None:
     """The engines' `/metrics` are scraped for placement: p0, whose queue others fill
-    (`vllm:num_requests_waiting`), loses the request that rotation would have given it."""
+    (`vllm:num_requests_running` and `..._waiting`), loses the request that rotation would
+    have given it."""
     p0 = SimProcess("--role", "prefill", "--kv-role", "kv_producer", "--max-num-seqs", "1",
                     "--itl-ms", "50")  # fmt: skip
     p1 = SimProcess("--role", "prefill", "--kv-role", "kv_producer")

@@ -30,9 +30,20 @@ def test_a_small_extra_load_does_not_move_a_long_prefix() -> None:
     assert ids(rank(engines, {"a": 900}, 1000, 0))[0] == "a"
 
 
-def test_without_matches_the_least_loaded_wins_counting_scraped_waiting() -> None:
-    engines = [Load("a", 1, waiting=5), Load("b", 2, waiting=0), Load("c", 4)]
+def test_without_matches_the_least_loaded_wins_by_the_engine_s_own_count() -> None:
+    engines = [Load("a", 1, held=6), Load("b", 2, held=0), Load("c", 4)]
     assert ids(rank(engines, {}, 100, 0)) == ["b", "c", "a"]
+
+
+def test_an_engine_s_queue_is_the_larger_of_its_own_count_and_narwhal_s_legs() -> None:
+    """The engine's running + waiting already holds Narwhal's legs on it: the two are not
+    added. Its count covers other routers; Narwhal's covers what the scrape has not seen."""
+    assert Load("mine", 10, held=10).queue == 10  # all ten are Narwhal's, counted once
+    assert Load("shared", 3, held=12).queue == 12  # nine from elsewhere
+    assert Load("ahead", 8, held=2).queue == 8  # six sent since the last scrape
+    assert Load("stale", 5).queue == 5
+    engines = [Load("mine", 10, held=10), Load("shared", 3, held=12)]
+    assert ids(rank(engines, {}, 100, 0)) == ["mine", "shared"]
 
 
 def test_a_prefix_wins_until_its_queue_costs_more_than_computing_the_prompt_elsewhere() -> None:

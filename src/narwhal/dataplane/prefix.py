@@ -253,12 +253,13 @@ class PrefixPlacement:
         return [r for r in ranked if r.id not in skip] + [r for r in ranked if r.id in skip]
 
     def load(self, candidate: Candidate, now: float) -> Load:
-        """Narwhal's in-flight legs, plus the engine's own queue and KV usage while fresh."""
+        """Narwhal's in-flight legs, and the engine's own count and KV usage while fresh."""
         scraped = self.loads.get(candidate.id)
         work = self._work.get(candidate.id)
         if scraped is None or not scraped.fresh(now, self._placement_config.metrics_stale_s):
             return Load(candidate.id, candidate.in_flight, tokens_per_request=work)
-        return Load(candidate.id, candidate.in_flight, scraped.waiting, scraped.kv_usage, work)
+        held = scraped.running + scraped.waiting
+        return Load(candidate.id, candidate.in_flight, held, scraped.kv_usage, work)
 
     def explain(self, req: ClientRequest, model: str, fleet: Fleet, now: float) -> dict[str, Any]:
         """`POST /admin/placement`: how this process would place the request now, without

@@ -12,10 +12,14 @@ work counted once more as what it adds to the fleet's load:
     cost = queue * (tokens_per_request + request_overhead_tokens)
            + (1 + own_work_weight) * (prompt - matched)
 
-`queue` is Narwhal's own in-flight legs on the engine plus its scraped
-`vllm:num_requests_waiting` (when fresh). `tokens_per_request` is what the prefills recently
-placed there had to compute (their uncached tokens, a moving average the caller keeps; unknown:
-as much as this prompt would, on the guess that an engine's queue holds requests like it).
+`queue` is what the engine holds: by its own count (scraped `vllm:num_requests_running` plus
+`..._waiting`, when fresh: it sees other routers and the other workers) or Narwhal's in-flight
+legs on it (they see what the last scrape has not yet), whichever is larger. (Adding the two
+counted each of Narwhal's own waiting requests twice: an engine running 4 of Narwhal's
+requests with 6 more waiting read as a queue of 16.) `tokens_per_request` is what the prefills
+recently placed there had to compute (their uncached tokens, a moving average the caller
+keeps; unknown: as much as this prompt would, on the guess that an engine's queue holds
+requests like it).
 So an engine holding the prefix wins until the queue in front of it costs more than computing
 the prompt elsewhere; then the hot prefix spreads to a lighter engine, which holds it too from
 then on: as many engines hold a hot prefix as its load needs, with no threshold to tune. The
@@ -53,14 +57,14 @@ class Load:
 
     id: str
     in_flight: int
-    waiting: int | None = None  # scraped; None when stale or never scraped
+    held: int | None = None  # scraped running + waiting; None when stale or never scraped
     kv_usage: float | None = None  # scraped, 0..1
     # prefill: the uncached tokens of the prefills recently placed here (None: unknown)
     tokens_per_request: float | None = None
 
     @property
     def queue(self) -> int:
-        return self.in_flight + (self.waiting or 0)
+        return max(self.in_flight, self.held or 0)
 
 
 @dataclass(frozen=True)
