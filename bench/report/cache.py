@@ -263,13 +263,21 @@ def _index_section(suite: dict[str, Any]) -> list[str]:
     return out
 
 
+def _compute(fleet: dict[str, Any]) -> str:
+    """How the prompts of running requests share an engine (older results: own timers)."""
+    if fleet.get("serial_prefill"):
+        return " computed one prompt at a time (`--serial-prefill`: a GPU's shared compute)"
+    return " (each running prompt on its own timer)"
+
+
 def render(suite: dict[str, Any]) -> str:
     fleet = suite["fleet"]
     rows = suite["rows"]
     out = [
         f"4 prefill and 2 decode `narwhal-sim` engines (block size {fleet['block_size']}, "
         f"{fleet['kv_blocks']} cache blocks and `max_num_seqs` {fleet['max_num_seqs']} per "
-        f"prefill engine, {fleet['ttft_per_token_ms']} ms per uncached prompt token, ITL "
+        f"prefill engine, {fleet['ttft_per_token_ms']} ms per uncached prompt token"
+        f"{_compute(fleet)}, ITL "
         f"{fleet['itl_ms']} ms, {fleet['max_tokens']} tokens per answer, streamed), the same "
         "for every arm, each arm starting on empty caches. Hit rate: the prefill engines' own "
         "`vllm:prefix_cache_hits_total` over `queries` during the step. Goodput: requests per "

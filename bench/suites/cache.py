@@ -1,7 +1,8 @@
 """Cache-aware placement against the peers (DESIGN §11): where each request's prefill runs.
 
 Four prefill and two decode sims that model a prefix cache (vLLM's block size 16, LRU at a
-fixed capacity, a running queue of `max_num_seqs`, prefill time per uncached token) and
+fixed capacity, a running queue of `max_num_seqs`, prefill time per uncached token, the
+running requests' prompts computed one at a time as a GPU shares its compute) and
 publish vLLM's KV events over ZMQ, all tokenizing with the bench's word-level tokenizer (the
 one Narwhal loads). The same fleet serves every arm; each arm starts on empty caches
 (`POST /reset_prefix_cache`). Arms: Narwhal `least_loaded`, Narwhal `prefix` with events and
@@ -33,7 +34,9 @@ from bench.suites.common import measure, run_spec
 BLOCK = 16
 KV_BLOCKS = 640  # per prefill engine: 10 KiB tokens, about 9 system prompts beside the running
 MAX_NUM_SEQS = 4
-TTFT_PER_TOKEN_MS = 2.0  # an 800-token prompt uncached: 1.6 s; its 768 cached: 0.1 s
+# serial: an engine computes 2,000 prompt tokens/s, whatever runs (an 800-token prompt alone:
+# 0.4 s uncached, 16 ms with 768 cached)
+TTFT_PER_TOKEN_MS = 0.5
 ITL_MS = 20.0
 MAX_TOKENS = 8
 TTFT_SLO_MS = 1000.0
@@ -94,11 +97,12 @@ def flags(tokenizer: str, drop_fraction: float = 0.0) -> SimFlags:
     events = ("--kv-events-port", "0", "--kv-events-replay-port", "0")
     drops = ("--kv-events-drop-fraction", str(drop_fraction)) if drop_fraction else ()
     words = ("--tokenizer", tokenizer)
+    queue = ("--max-num-seqs", str(MAX_NUM_SEQS), "--serial-prefill")
     return SimFlags(
         itl_ms=ITL_MS,
         ttft_per_token_ms=TTFT_PER_TOKEN_MS,
         max_concurrency=4096,
-        prefill_extra=(*cache, "--max-num-seqs", str(MAX_NUM_SEQS), *events, *drops, *words),
+        prefill_extra=(*cache, *queue, *events, *drops, *words),
         decode_extra=words,
     )
 
@@ -245,6 +249,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "block_size": BLOCK,
             "kv_blocks": KV_BLOCKS,
             "max_num_seqs": MAX_NUM_SEQS,
+            "serial_prefill": True,
             "ttft_per_token_ms": TTFT_PER_TOKEN_MS,
             "itl_ms": ITL_MS,
             "max_tokens": MAX_TOKENS,

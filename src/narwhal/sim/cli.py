@@ -98,6 +98,11 @@ def _cache_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
         "--kv-blocks", type=COUNT, default=d.kv_blocks, help="prefix cache blocks (0: no cache)"
     )
     p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=None, help="default: no limit")
+    p.add_argument(
+        "--serial-prefill",
+        action="store_true",
+        help="running requests' prompts are computed one at a time, as a GPU shares its compute",
+    )
     p.add_argument("--kv-events-port", type=PORT, default=None, help="0 picks a free port")
     p.add_argument("--kv-events-replay-port", type=PORT, default=None, help="0: a free port")
     p.add_argument("--kv-events-topic", default=d.kv_events_topic)
@@ -176,6 +181,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         block_size=args.block_size,
         kv_blocks=args.kv_blocks,
         max_num_seqs=args.max_num_seqs,
+        serial_prefill=args.serial_prefill,
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
         kv_events_topic=args.kv_events_topic,

@@ -60,6 +60,10 @@ class SimConfig:
     kv_blocks: int = 0
     # vLLM's `--max-num-seqs`: requests running at once; the others wait (None: no limit).
     max_num_seqs: int | None = None
+    # Prompts computed one at a time in arrival order, as a GPU's prefill throughput is shared
+    # by the running requests (vLLM fills each step's token budget first come, first served);
+    # off, each running request's prefill runs on its own timer, however many run at once.
+    serial_prefill: bool = False
     # KV events (vLLM's `--kv-events-config`): None: not published; 0: any free port.
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None

@@ -8,6 +8,7 @@ request still holds its place and KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import uuid
@@ -88,6 +89,9 @@ class SimEngine:
         self._publish = publish
         self.tokenizer = tokenizer
         self._scheduler = Scheduler(config.max_num_seqs)
+        # one prompt computed at a time (`serial_prefill`); asyncio's lock is first come first
+        # served, as vLLM's scheduler fills a step's token budget
+        self._compute = asyncio.Lock() if config.serial_prefill else None
         self._latency = LatencyModel(
             config.ttft_per_token_ms, config.itl_ms, config.transfer_per_block_ms
         )
@@ -170,7 +174,7 @@ class SimEngine:
                 context, cached = await self._load(params, prompt, factor, adm)
             else:
                 context, cached = prompt, adm.hit_tokens
-                await pause(self._sleeper, self._latency.ttft_s(len(prompt) - cached, factor))
+                await self._prefill(len(prompt) - cached, factor)
                 self._stored(adm)
             generated = generate(context, body.token_limit, body.stop_strings, body.min_tokens)
             extra: dict[str, Any] = {"kv_transfer_params": None}
@@ -183,6 +187,14 @@ class SimEngine:
             yield Outcome(
                 generated, len(prompt), cached, extra, self._latency.itl_s(factor), tuple(prompt)
             )
+
+    async def _prefill(self, tokens: int, factor: float) -> None:
+        """Compute `tokens` prompt tokens: alone on the engine with `serial_prefill`."""
+        if self._compute is None:
+            await pause(self._sleeper, self._latency.ttft_s(tokens, factor))
+            return
+        async with self._compute:
+            await pause(self._sleeper, self._latency.ttft_s(tokens, factor))
 
     # --- the prefix cache -------------------------------------------------------------------
 
@@ -245,7 +257,7 @@ class SimEngine:
                 raise RequestError(500, f"KV load failed: {exc}") from exc
             self._metrics.kv_recomputes.inc()
             hit = adm.hit_tokens
-            await pause(self._sleeper, self._latency.ttft_s(len(prompt) - hit, factor))
+            await self._prefill(len(prompt) - hit, factor)
             self._stored(adm)
             return prompt, hit
         self._metrics.kv_blocks_received.inc(len(blocks))
