@@ -18,11 +18,11 @@ PEER_KINDS = ("vllm-router", "sglang-router")
 REQUEST_TIMEOUT_S = 10.0  # every router's request deadline; the client gives up 2 s later
 CLIENT_GRACE_S = 2.0
 # `narwhal-w<N>[-<variant>]`: plain, or its router_bound twins (bounded policy, client keys,
-# access log)
-NARWHAL_VARIANTS = ("", "bounded", "auth", "access")
+# access log, cache-aware placement)
+NARWHAL_VARIANTS = ("", "bounded", "auth", "access", "prefix")
 
 
-def router_spec(name: str) -> RouterSpec:
+def router_spec(name: str, model: str | None = None) -> RouterSpec:
     """`narwhal`, `narwhal-bounded`, `vllm-router[-hc1]`, `sglang-router[-hc1]`, `floor`
     (bench.floor: the HTTP stack's own cost), `direct`; `narwhal-uvloop` and `floor-uvloop`
     (the same on uvloop), `floor-raw` (bench.floor_raw: the floor on asyncio protocols,
@@ -30,7 +30,9 @@ def router_spec(name: str) -> RouterSpec:
     `narwhal-w<N>` and `narwhal-wauto`: Narwhal with `serving.workers` N or auto;
     `narwhal-w<N>-bounded`, `narwhal-wauto-bounded`: the same under `serving.policy: bounded`;
     `narwhal-w<N>-auth`: the same with client keys (`auth.api_keys_env`, the load generator
-    sending the key) and `narwhal-w<N>-access`: with the access log (`logging.access: true`)."""
+    sending the key), `narwhal-w<N>-access`: with the access log (`logging.access: true`)
+    and `narwhal-w<N>-prefix`: placing by prefix (`placement.policy: prefix`), with `model`
+    (the bench tokenizer's directory, the served model's name) as its tokenizer."""
     if name in ("direct", "floor", "floor-raw", "floor-granian"):
         return RouterSpec(name, name)
     if name.startswith("narwhal-w"):
@@ -45,6 +47,11 @@ def router_spec(name: str) -> RouterSpec:
             return replace(spec, api_key=BENCH_API_KEY)
         if variant == "access":
             return replace(spec, narwhal={"logging": {"access": True}})
+        if variant == "prefix":
+            placement: dict[str, Any] = {"policy": "prefix"}
+            if model is not None:
+                placement["tokenizers"] = {model: model}
+            return replace(spec, narwhal={"placement": placement})
         return spec
     if name == "floor-uvloop":
         return RouterSpec(name, "floor", uvloop=True)

@@ -75,11 +75,13 @@ class Mode:
     router_bound_bounded_streams: tuple[str, ...] = ("no", "yes")
     # the edge twins: Narwhal at `serving.workers: auto` (when `auto` is in
     # `router_bound_workers`) again with client keys on (`auth`: `narwhal-wauto-auth`, the load
-    # generator sending `Authorization: Bearer <key>`) and with the access log on (`access`:
-    # `narwhal-wauto-access`, `logging.access: true`), in every cell and round beside
-    # `narwhal-wauto`, for "edge ÷ plain" in the same run; () turns them off (`--edge-twins`
-    # replaces the list). Both, json and stream, c=64 and c=256: 2 x 4 x 3 rounds, ~2 min
-    router_bound_edge: tuple[str, ...] = ("auth", "access")
+    # generator sending `Authorization: Bearer <key>`), with the access log on (`access`:
+    # `narwhal-wauto-access`, `logging.access: true`) and placing by prefix (`prefix`:
+    # `narwhal-wauto-prefix`, `placement.policy: prefix` with the bench's tokenizer), in every
+    # cell and round beside `narwhal-wauto`, for "edge ÷ plain" in the same run; () turns them
+    # off (`--edge-twins` replaces the list). All three, json and stream, c=64 and c=256:
+    # 3 x 4 x 3 rounds, ~3 min
+    router_bound_edge: tuple[str, ...] = ("auth", "access", "prefix")
     # cache-aware placement against the peers (bench.suites.cache; part of full mode): every
     # arm runs each workload as a ramp of closed-loop steps of this many clients; 8 arms
     # (two only on the sharing workloads) x 3 workloads x 3 steps of 12 s is ~16 min

@@ -18,7 +18,8 @@ CPU_TARGET = 1.5  # Narwhal's CPU per request ÷ vllm-router's, at most
 HOST_CORES = 16  # the projection's router host
 ITL_MS = 20.0  # the projection's streams: one chunk per stream every 20 ms
 MODES = {"no": "json", "yes": "stream"}
-EDGE = {"auth": "client keys", "access": "access log"}  # edge twin kind -> what is on
+# edge twin kind -> what is on
+EDGE = {"auth": "client keys", "access": "access log", "prefix": "prefix placement"}
 
 
 def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, Any] | None:
@@ -289,7 +290,7 @@ def _bounded(suite: dict[str, Any]) -> str:
 
 
 def edge_kind(target: str) -> str:
-    """`auth` or `access` for an edge twin's name."""
+    """`auth`, `access` or `prefix` for an edge twin's name."""
     kind = target.rpartition("-")[2]
     return kind if kind in EDGE else ""
 
@@ -394,6 +395,15 @@ def _edge_intro(suite: dict[str, Any]) -> str:
                 "inherit it), and the load generator sending `Authorization: Bearer <key>` on "
                 "every request to this target only (warm-up included), so each request is "
                 f"checked against the key's SHA-256 digest in constant time{seen}."
+            )
+        elif kind == "prefix":
+            parts.append(
+                f"**{twin}**: `placement: {{policy: prefix, tokenizers: {{<model>: <the bench "
+                "tokenizer>}}}}`: every prompt tokenized (a word-level `tokenizer.json`, so "
+                "cheaper per word than a real model's BPE), keyed in blocks, matched against "
+                "the index and its pick shared with the other workers; with one prefill engine "
+                "the ranking has one candidate, but every step is paid. The engines publish no "
+                "KV events here: the index is Narwhal's own placements."
             )
         elif kind == "access":
             log = check.get("log", f"{twin}.log")

@@ -203,6 +203,24 @@ def router_bound(suites: dict[str, Any]) -> list[Verdict]:
     ]
 
 
+PREFIX_CPU_TARGET = 1.2  # issue 30
+
+
+def prefix_cpu(suites: dict[str, Any]) -> list[Verdict]:
+    """Issue 30: placing by prefix costs at most 1.2x the router CPU per request of placing by
+    load, router-bound (the prefix edge twin against its plain target, every cell); no row
+    when the twin did not run."""
+    cells = [t for t in rb.edge_cells(suites.get("router_bound") or {}) if t["kind"] == "prefix"]
+    if not cells:
+        return []
+    name = (
+        f"Router-bound ({cells[0]['twin']} ÷ {cells[0]['plain']}): CPU per request placing by "
+        f"prefix ≤ {PREFIX_CPU_TARGET}x least_loaded's, every cell"
+    )
+    text = "; ".join(f"{rb.MODES[t['stream']]} c={t['c']} {t['cpu_x']:.2f}x" for t in cells)
+    return [Verdict(name, text, all(t["cpu_x"] <= PREFIX_CPU_TARGET for t in cells))]
+
+
 def verdicts(suites: dict[str, Any]) -> list[Verdict]:
     return [
         throughput(suites),
@@ -211,6 +229,7 @@ def verdicts(suites: dict[str, Any]) -> list[Verdict]:
         stream_chunks(suites),
         *faults(suites),
         *router_bound(suites),
+        *prefix_cpu(suites),
     ]
 
 

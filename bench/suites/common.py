@@ -46,10 +46,11 @@ async def tapped_fleet(
         await fleet.stop()
 
 
-def spec_for(name: str, ab_src: Path | None) -> RouterSpec:
-    """`router_spec(name)`, and `<name>@base`: the same Narwhal run from the `--ab-src` tree."""
+def spec_for(name: str, ab_src: Path | None, model: str | None = None) -> RouterSpec:
+    """`router_spec(name, model)`, and `<name>@base`: the same Narwhal run from the `--ab-src`
+    tree."""
     base, _, variant = name.partition("@")
-    spec = replace(router_spec(base), name=name)
+    spec = replace(router_spec(base, model), name=name)
     if not variant:
         return spec
     if variant != "base" or spec.kind != "narwhal" or ab_src is None:
@@ -63,7 +64,7 @@ async def start_routers(
     """Start every available router; one that fails to start is recorded in ctx.skipped."""
     running: dict[str, Running] = {}
     for name in names:
-        spec = spec_for(name, ctx.ab_src)
+        spec = spec_for(name, ctx.ab_src, ctx.model)
         if spec.kind in ctx.skipped:
             continue
         if tweak and spec.kind == "narwhal":

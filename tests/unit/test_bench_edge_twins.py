@@ -1,7 +1,7 @@
 """router_bound's edge twins: Narwhal at `workers: auto` again with client keys on
-(`narwhal-wauto-auth`) and with the access log on (`narwhal-wauto-access`), their names and
-configs, the key sent only to the auth twin, where they run in the plan, and the report's
-twin ÷ plain."""
+(`narwhal-wauto-auth`), with the access log on (`narwhal-wauto-access`) and placing by prefix
+(`narwhal-wauto-prefix`), their names and configs, the key sent only to the auth twin, where
+they run in the plan, the report's twin ÷ plain, and issue 30's verdict on the prefix twin."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from bench.loadgen.client import Bodies
 from bench.loadgen.spec import RunSpec
 from bench.modes import MODES
 from bench.report import router_bound as report
+from bench.report import targets
 from bench.routers import API_KEYS_ENV, BENCH_API_KEY, Engines, Running, narwhal_config
 from bench.suites.common import merged, run_spec
 from bench.suites.router_bound import edge_kind, edge_target, parse_edge, plan
@@ -106,13 +107,14 @@ def test_with_ab_src_the_edge_twins_have_no_base_twin() -> None:
 def test_the_cli_replaces_the_modes_edge_list_or_turns_it_off() -> None:
     assert parse_edge("none") == ()
     assert parse_edge("access, auth,access") == ("access", "auth")
+    assert parse_edge("prefix") == ("prefix",)
     with pytest.raises(ValueError, match="edge twin"):
         parse_edge("tls")
     assert _parser().parse_args(["--report", "r", "--results", "d"]).edge_twins is None
     args = _parser().parse_args(["--report", "r", "--results", "d", "--edge-twins", "none"])
     assert args.edge_twins == ()
     for mode in (MODES["quick"], MODES["full"]):
-        assert mode.router_bound_edge == ("auth", "access")
+        assert mode.router_bound_edge == ("auth", "access", "prefix")
         assert "auto" in mode.router_bound_workers
 
 
@@ -203,3 +205,29 @@ def test_an_edge_twin_is_never_judged_and_old_results_render_without_them() -> N
     ]
     assert report.edge_cells(old) == []
     assert "Edge twins" not in report.render(old)
+
+
+def test_the_prefix_twin_places_by_prefix_with_the_bench_tokenizer() -> None:
+    spec = router_spec("narwhal-wauto-prefix", model="/work/tokenizer")
+    config = narwhal_config(spec, ENGINES, 1234, Path("/tmp/x"))
+    assert config["placement"] == {
+        "policy": "prefix",
+        "tokenizers": {"/work/tokenizer": "/work/tokenizer"},
+    }
+    assert "placement" not in narwhal_config(router_spec("narwhal-wauto"), ENGINES, 1, Path("/x"))
+    assert edge_kind(edge_target("prefix")) == "prefix"
+
+
+def test_the_prefix_twin_is_judged_against_issue_30s_cpu_target() -> None:
+    """CPU per request placing by prefix ≤ 1.2x least_loaded's (the plain target), every
+    cell: 1.15x is met, 1.25x in one cell misses."""
+    suite = _suite()
+    suite["edge"] = {"narwhal-wauto-prefix": "narwhal-wauto"}
+    suite["workers"]["narwhal-wauto-prefix"] = "auto"
+    suite["medians"].append(_point("narwhal-wauto-prefix", "no", 256, 900.0, 0.345))
+    (verdict,) = targets.prefix_cpu({"router_bound": suite})
+    assert verdict.met is True
+    assert verdict.measured == "json c=256 1.15x"
+    suite["medians"][-1] = _point("narwhal-wauto-prefix", "no", 256, 900.0, 0.375)
+    assert targets.prefix_cpu({"router_bound": suite})[0].met is False
+    assert targets.prefix_cpu({"router_bound": _suite()}) == []  # no prefix twin: no row
