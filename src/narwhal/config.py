@@ -213,10 +213,12 @@ class ServingConfig(_Section):
     max_attempts: PositiveInt = 2
     # Client limits (DESIGN §12), on every path before any work: the body's size whatever
     # its framing; the whole request head's time; the time between two reads of a body; the
-    # router's client connections (all workers together).
+    # time an answer may wait for a client that takes none of it; the router's client
+    # connections (all workers together).
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     client_header_timeout_s: PositiveFloat = 10.0
     client_body_timeout_s: PositiveFloat = 30.0
+    client_send_timeout_s: PositiveFloat = 60.0
     max_client_connections: PositiveInt = 10000
     token_count_cache_size: int = Field(default=4096, ge=0)
     # Data-plane worker processes (DESIGN §9): an integer, or `auto` for the usable CPUs.

@@ -30,6 +30,8 @@ MAX_CONNECTIONS = 1000
 SERVING = {
     "client_header_timeout_s": 1.0,
     "client_body_timeout_s": 1.0,
+    # above request_timeout_s: a stream never read is cut by its deadline first
+    "client_send_timeout_s": 8.0,
     "max_body_bytes": MAX_BODY,
     "max_client_connections": MAX_CONNECTIONS,
     "request_timeout_s": 5,
@@ -105,7 +107,7 @@ def hostile_sims() -> Iterator[tuple[SimProcess, SimProcess, SimProcess, SimProc
     factory = SimFactory()
     try:
         legit = ["--itl-ms", "0"]
-        tap = ["--itl-ms", "0", "--model", "tap-model", "--max-model-len", "100000"]
+        tap = ["--itl-ms", "0", "--model", "tap-model", "--max-model-len", "1000000"]
         p0, d0, p1, d1 = factory.start_many(
             [["--role", "prefill", "--kv-role", "kv_producer", *legit],
              ["--role", "decode", "--kv-role", "kv_consumer", *legit],

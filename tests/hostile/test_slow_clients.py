@@ -1,11 +1,13 @@
 """Slow clients, by hand, against both process modes: a head sent a byte at a time, a body
 trickled slower than `serving.client_body_timeout_s`, and a client that never reads its
-answer. Each is refused (408, OpenAI-shaped, and a close) or cut off by the request's
-deadline, and counted; the legitimate flow runs through each (conftest's guard)."""
+answer, streamed or not. Each is refused (408, OpenAI-shaped, and a close) or cut off (by the
+request's deadline, or by `serving.client_send_timeout_s`), and counted; the legitimate flow
+runs through each (conftest's guard)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 import uuid
@@ -57,13 +59,18 @@ async def test_a_body_trickled_slower_than_the_body_timeout_gets_408(hostile: Ho
     assert await asyncio.to_thread(rejected, hostile.url, "body_timeout") > before
 
 
-def _drained(sock: socket.socket, timeout_s: float) -> tuple[int, bool]:
-    """Read what the router sent until the connection ends: (bytes, ended in time)."""
+def _drained(
+    sock: socket.socket, timeout_s: float, head: bytearray | None = None
+) -> tuple[int, bool]:
+    """Read what the router sent until the connection ends: (bytes, ended in time); the
+    first 4 KiB are kept in `head` when given."""
     sock.setblocking(True)
     sock.settimeout(timeout_s)
     total = 0
     try:
         while piece := sock.recv(1 << 16):
+            if head is not None and len(head) < 4096:
+                head += piece[: 4096 - len(head)]
             total += len(piece)
     except ConnectionResetError:
         return total, True
@@ -114,5 +121,54 @@ async def test_a_client_that_never_reads_its_answer_is_cut_off(hostile: Hostile)
         sock.close()
     assert ended, "the connection was not closed"
     assert total < 8 * 2**20, f"the whole answer came ({total} bytes)"
+    prefill, decode = hostile.tap.entries(nonce)
+    assert len(prefill) == 1 and len(decode) == 1
+
+
+@pytest.mark.slow
+async def test_a_client_that_never_reads_an_unstreamed_answer_is_aborted(hostile: Hostile) -> None:
+    """An answer of 600,000 tokens with their ids (8.5 MB: more than the kernel's socket
+    buffers take), not streamed, asked on a socket with a tiny receive window that is not
+    read: the router's handler is done once it has written the answer, but the answer cannot
+    leave. After `client_send_timeout_s` with nothing taken the connection is aborted and
+    counted `send_timeout` (a close would wait to send it for good, holding the answer and a
+    connection slot); the engines saw the request once."""
+    nonce = uuid.uuid4().hex
+    body = orjson.dumps({"model": "tap-model", "prompt": f"unread {nonce}", "max_tokens": 600000,
+                         "return_token_ids": True})  # fmt: skip
+    before = await asyncio.to_thread(rejected, hostile.url, "send_timeout")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", hostile.port))
+        await loop.sock_sendall(
+            sock,
+            HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body,
+        )  # fmt: skip
+
+        async def aborted() -> bool:
+            return await asyncio.to_thread(rejected, hostile.url, "send_timeout") > before
+
+        await eventually(
+            aborted,
+            timeout_s=float(SERVING["client_send_timeout_s"]) + 20,
+            interval_s=0.2,
+            what="the router to abort a client that never reads its answer",
+        )
+        took_s = time.monotonic() - started
+        head = bytearray()
+        total, ended = await asyncio.to_thread(_drained, sock, 10.0, head)
+    finally:
+        sock.close()
+    assert took_s >= SERVING["client_send_timeout_s"]
+    assert ended, "the connection was not closed"
+    assert head.startswith(b"HTTP/1.1 200 "), bytes(head[:200])
+    length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+    assert length > 4 * 2**20  # more than the sockets between us hold
+    assert total < length, f"the whole answer came ({total} bytes)"
     prefill, decode = hostile.tap.entries(nonce)
     assert len(prefill) == 1 and len(decode) == 1

@@ -28,6 +28,7 @@ _HOT = {
             "token_count_cache_size",
             "client_header_timeout_s",
             "client_body_timeout_s",
+            "client_send_timeout_s",
             "max_client_connections",
         }
     ),

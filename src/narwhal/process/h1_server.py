@@ -20,14 +20,22 @@ router's bound (`ConnectionBudget`) are closed as soon as they are accepted.
 
 A client that disconnects cancels its running handler (aiohttp's `handler_cancellation`); a
 stream waits for the client to take what was written (`pause_writing`), and a body the
-handler leaves unread makes the connection close after the answer. `drain()` stops accepting,
+handler leaves unread makes the connection close after the answer. The shell's one limit of
+its own: a client whose socket stays full, taking nothing of what waits for it for
+`send_timeout_s` (`serving.client_send_timeout_s`), is aborted and counted `send_timeout`,
+whatever the connection's state (the state machine is done with a connection closing after
+its answer, but that close waits for the answer to be sent). `drain()` stops accepting,
 closes idle connections, lets running handlers finish within a grace, then aborts the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import sys
+import termios
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -102,6 +110,7 @@ def client_limits(serving: ServingConfig) -> Limits:
         max_body_bytes=serving.max_body_bytes,
         header_timeout_s=serving.client_header_timeout_s,
         body_timeout_s=serving.client_body_timeout_s,
+        send_timeout_s=serving.client_send_timeout_s,
     )
 
 
@@ -143,6 +152,9 @@ class ServerConnection(asyncio.Protocol):
         self._paused_by: set[str] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        # while the client's socket is full: the send timeout, and what was left to send
+        self._stall: asyncio.TimerHandle | None = None
+        self._stall_left = 0
 
     # ------------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -170,6 +182,7 @@ class ServerConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._unstall()
         for request in (self._parsing, *self._queue):
             if request is not None:
                 request.body.fail(ConnectionResetError("the client disconnected"))
@@ -219,8 +232,12 @@ class ServerConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
             self._writable = self.loop.create_future()
+        if self._stall is None and self.transport is not None:
+            self._stall_left = _unsent(self.transport)
+            self._stall = self.loop.call_later(self.server.limits.send_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
+        self._unstall()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
         if "write" in self._paused_by:
@@ -445,6 +462,31 @@ class ServerConnection(asyncio.Protocol):
             self._refused(refusal, self._parsing)
         self._schedule()
 
+    def _stalled(self) -> None:
+        """`send_timeout_s` with the client's socket full: another period if it took some
+        of what waits (as nginx's `send_timeout`, between two successful writes), else the
+        connection is aborted and counted. Whatever the state: a connection closing after its
+        answer (`transport.close` waits to send what is buffered) would otherwise stay open,
+        holding its answer and a connection slot, for as long as the client does not read."""
+        self._stall = None
+        transport = self.transport
+        if transport is None or self.lost:
+            return
+        left = _unsent(transport)
+        if left < self._stall_left:
+            self._stall_left = left
+            self._stall = self.loop.call_later(self.server.limits.send_timeout_s, self._stalled)
+            return
+        peer, limit = transport.get_extra_info("peername"), self.server.limits.send_timeout_s
+        log.info("client %s took nothing for %.0fs: aborted", peer, limit)
+        self.server.on_reject("send_timeout")
+        self.abort()
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
     # ------------------------------------------------------------------ transport
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.lost and not self.transport.is_closing():
@@ -495,6 +537,20 @@ class ServerConnection(asyncio.Protocol):
             self.state.close()
         if self.transport is not None and not self.lost:
             self.transport.abort()
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Bytes written that the client has not taken: the transport's buffer plus the kernel's
+    send queue (`SIOCOUTQ`). The buffer alone moves in steps of the kernel's buffer, which
+    signals room only once half of it is free: a client reading slowly but steadily would
+    look stalled for seconds at a time."""
+    unsent = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            unsent += int.from_bytes(queued, sys.byteorder, signed=True)
+    return unsent
 
 
 def _framing_refusal(headers: Mapping[str, str], version: str) -> str | None:

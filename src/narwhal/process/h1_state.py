@@ -116,6 +116,8 @@ class Limits:
     max_body_bytes: int = 4 * 1024 * 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    # the shell's: how long the client's socket may stay full with nothing taken from it
+    send_timeout_s: float = 60.0
     keepalive_s: float = KEEPALIVE_S
     linger_s: float = LINGER_S
 
