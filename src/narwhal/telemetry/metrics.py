@@ -163,7 +163,7 @@ class DataMetrics:
         self.client_rejected = Counter(
             "narwhal_client_rejected",
             "Client connections and requests refused at the edge, by reason (header_timeout, "
-            "body_timeout, header_too_large, body_too_large, malformed, connections)",
+            "body_timeout, header_too_large, body_too_large, malformed, connections, send_timeout)",
             ["reason"],
             registry=r,
         )
