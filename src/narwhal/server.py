@@ -21,7 +21,6 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from narwhal.clock import Clock, SystemClock
 from narwhal.config import Config, ConfigError, load_config
@@ -78,7 +77,7 @@ from narwhal.telemetry import admin_views
 from narwhal.telemetry.events import EventLog
 from narwhal.telemetry.fleet_metrics import watch_fleet
 from narwhal.telemetry.loop_lag import watch_loop_lag
-from narwhal.telemetry.metrics import Metrics, SummedData
+from narwhal.telemetry.metrics import Metrics, SummedData, WorkerFiles
 from narwhal.telemetry.timeline import Timeline
 from narwhal.tls import engine_context, server_context
 from narwhal.tls import load as tls_load
@@ -809,8 +808,7 @@ class Router:
         await web.UnixSite(runner, sup.control_socket).start()
         sup.metrics_dir.mkdir()
         shared = CollectorRegistry(auto_describe=True)
-        files = MultiProcessCollector(None, path=str(sup.metrics_dir))  # type: ignore[no-untyped-call]
-        shared.register(SummedData(self.metrics.data.registry, files))
+        shared.register(SummedData(self.metrics.data.registry, WorkerFiles(sup.metrics_dir)))
         self.metrics.render_data = lambda: generate_latest(shared)
         self.metrics.add_worker_metrics()
         running = self.metrics.workers_running

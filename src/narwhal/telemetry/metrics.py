@@ -5,7 +5,8 @@ Names and labels are a contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from prometheus_client import (
@@ -19,6 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -173,6 +175,29 @@ class DataMetrics:
             registry=r,
             buckets=LAG_BUCKETS_S,
         )
+
+
+class WorkerFiles:
+    """The workers' multiprocess files, summed as prometheus_client's `MultiProcessCollector`
+    sums them, but for a file a worker has only just created: it is empty until the worker
+    sizes it, and reading it then raises `struct.error` (a starting worker turned a scrape,
+    and `GET /admin/engines` with it, into a 500). Such a file holds no value yet."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = [str(f) for f in self._path.glob("*.db") if _sized(f)]
+        merged: Iterable[Metric] = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+        return merged
+
+
+def _sized(file: Path) -> bool:
+    """Past its header (the used-bytes count a reader unpacks first)."""
+    try:
+        return file.stat().st_size >= 8
+    except FileNotFoundError:
+        return False
 
 
 class SummedData:
