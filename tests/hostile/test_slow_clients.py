@@ -79,6 +79,23 @@ def _drained(
     return total, True
 
 
+async def _ask_without_reading(port: int, body: bytes) -> socket.socket:
+    """A completion sent on a socket with a tiny receive window, which the caller never
+    reads (until it drains what came, at the end)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    head = HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, head + body)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @pytest.mark.slow
 async def test_a_client_that_never_reads_its_answer_is_cut_off(hostile: Hostile) -> None:
     """Handled once, then cut off: a stream of 60,000 tokens (about 9 MB) asked on a socket
@@ -92,17 +109,8 @@ async def test_a_client_that_never_reads_its_answer_is_cut_off(hostile: Hostile)
     )  # fmt: skip
     before = await asyncio.to_thread(scrape, hostile.url, "narwhal_requests_total",
                                      outcome="deadline")  # fmt: skip
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
+    sock = await _ask_without_reading(hostile.port, body)
     try:
-        await loop.sock_connect(sock, ("127.0.0.1", hostile.port))
-        await loop.sock_sendall(
-            sock,
-            HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-            + body,
-        )  # fmt: skip
 
         async def cut_off() -> bool:
             now = await asyncio.to_thread(
@@ -137,18 +145,9 @@ async def test_a_client_that_never_reads_an_unstreamed_answer_is_aborted(hostile
     body = orjson.dumps({"model": "tap-model", "prompt": f"unread {nonce}", "max_tokens": 600000,
                          "return_token_ids": True})  # fmt: skip
     before = await asyncio.to_thread(rejected, hostile.url, "send_timeout")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
     started = time.monotonic()
+    sock = await _ask_without_reading(hostile.port, body)
     try:
-        await loop.sock_connect(sock, ("127.0.0.1", hostile.port))
-        await loop.sock_sendall(
-            sock,
-            HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-            + body,
-        )  # fmt: skip
 
         async def aborted() -> bool:
             return await asyncio.to_thread(rejected, hostile.url, "send_timeout") > before
