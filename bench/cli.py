@@ -2,8 +2,8 @@
 
 `--workers-sweep 1,2,4,8` replaces the router_bound suite's Narwhal `serving.workers` values;
 `--bounded-twin 1,auto` (or `none`) the ones it also runs under `serving.policy: bounded`;
-`--edge-twins auth,access,prefix` (or `none`) the edge twins of `workers: auto` it also runs
-(client keys on, the access log on, placement by prefix).
+`--edge-twins auth,access,prefix,flow` (or `none`) the edge twins of `workers: auto` it also
+runs (client keys on, the access log on, placement by prefix, flow control on).
 
 Starts everything on loopback, runs the suites in order (each bounded in requests and time),
 stops everything, writes DIR/<mode>.json (raw results) and the Markdown report.
@@ -112,10 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--edge-twins",
         type=_edge,
-        metavar="auth,access,prefix|none",
+        metavar="auth,access,prefix,flow|none",
         help="router_bound: Narwhal at workers auto again with client keys on "
-        "(narwhal-wauto-auth), the access log on (narwhal-wauto-access) and/or placing by "
-        "prefix (narwhal-wauto-prefix), or none (default: the mode's, all three)",
+        "(narwhal-wauto-auth), the access log on (narwhal-wauto-access), placing by prefix "
+        "(narwhal-wauto-prefix) and/or flow control on (narwhal-wauto-flow), or none "
+        "(default: the mode's, all four)",
     )
     p.add_argument(
         "--ab-src",

@@ -18,8 +18,8 @@ PEER_KINDS = ("vllm-router", "sglang-router")
 REQUEST_TIMEOUT_S = 10.0  # every router's request deadline; the client gives up 2 s later
 CLIENT_GRACE_S = 2.0
 # `narwhal-w<N>[-<variant>]`: plain, or its router_bound twins (bounded policy, client keys,
-# access log, cache-aware placement)
-NARWHAL_VARIANTS = ("", "bounded", "auth", "access", "prefix")
+# access log, cache-aware placement, flow control)
+NARWHAL_VARIANTS = ("", "bounded", "auth", "access", "prefix", "flow")
 
 
 def router_spec(name: str, model: str | None = None) -> RouterSpec:
@@ -31,8 +31,9 @@ def router_spec(name: str, model: str | None = None) -> RouterSpec:
     `narwhal-w<N>-bounded`, `narwhal-wauto-bounded`: the same under `serving.policy: bounded`;
     `narwhal-w<N>-auth`: the same with client keys (`auth.api_keys_env`, the load generator
     sending the key), `narwhal-w<N>-access`: with the access log (`logging.access: true`)
-    and `narwhal-w<N>-prefix`: placing by prefix (`placement.policy: prefix`), with `model`
-    (the bench tokenizer's directory, the served model's name) as its tokenizer."""
+    `narwhal-w<N>-prefix`: placing by prefix (`placement.policy: prefix`), with `model`
+    (the bench tokenizer's directory, the served model's name) as its tokenizer, and
+    `narwhal-w<N>-flow`: with flow control on (`flow.enabled: true`)."""
     if name in ("direct", "floor", "floor-raw", "floor-granian"):
         return RouterSpec(name, name)
     if name.startswith("narwhal-w"):
@@ -52,6 +53,8 @@ def router_spec(name: str, model: str | None = None) -> RouterSpec:
             if model is not None:
                 placement["tokenizers"] = {model: model}
             return replace(spec, narwhal={"placement": placement})
+        if variant == "flow":
+            return replace(spec, narwhal={"flow": {"enabled": True}})
         return spec
     if name == "floor-uvloop":
         return RouterSpec(name, "floor", uvloop=True)

@@ -76,12 +76,13 @@ class Mode:
     # the edge twins: Narwhal at `serving.workers: auto` (when `auto` is in
     # `router_bound_workers`) again with client keys on (`auth`: `narwhal-wauto-auth`, the load
     # generator sending `Authorization: Bearer <key>`), with the access log on (`access`:
-    # `narwhal-wauto-access`, `logging.access: true`) and placing by prefix (`prefix`:
-    # `narwhal-wauto-prefix`, `placement.policy: prefix` with the bench's tokenizer), in every
-    # cell and round beside `narwhal-wauto`, for "edge ÷ plain" in the same run; () turns them
-    # off (`--edge-twins` replaces the list). All three, json and stream, c=64 and c=256:
-    # 3 x 4 x 3 rounds, ~3 min
-    router_bound_edge: tuple[str, ...] = ("auth", "access", "prefix")
+    # `narwhal-wauto-access`, `logging.access: true`), placing by prefix (`prefix`:
+    # `narwhal-wauto-prefix`, `placement.policy: prefix` with the bench's tokenizer) and with
+    # flow control on (`flow`: `narwhal-wauto-flow`, `flow.enabled: true`), in every cell and
+    # round beside `narwhal-wauto`, for "edge ÷ plain" in the same run; () turns them off
+    # (`--edge-twins` replaces the list). All four, json and stream, c=64 and c=256:
+    # 4 x 4 x 3 rounds, ~4 min
+    router_bound_edge: tuple[str, ...] = ("auth", "access", "prefix", "flow")
     # cache-aware placement against the peers (bench.suites.cache; part of full mode): every
     # arm runs each workload as a ramp of closed-loop steps of this many clients; 8 arms
     # (two only on the sharing workloads) x 3 workloads x 3 steps of 12 s is ~16 min

@@ -34,10 +34,10 @@ make bench-quick    # quick mode: bench-results/quick.md (under a minute once se
 # ... with the bounded twin (serving.policy: bounded) at every workers value, not only auto:
 .venv/bin/python -m bench --mode full --suites router_bound --bounded-twin 1,2,auto \\
     --report bench-results/rb-bounded.md --results bench-results/rb-bounded
-# ... only the edge twins (client keys, access log, prefix placement) beside plain Narwhal at
-# workers auto (~4 min):
-.venv/bin/python -m bench --mode full --suites router_bound --no-peers --workers-sweep auto \
-    --bounded-twin none --edge-twins auth,access,prefix \
+# ... only the edge twins (client keys, access log, prefix placement, flow control) beside
+# plain Narwhal at workers auto (~5 min):
+.venv/bin/python -m bench --mode full --suites router_bound --no-peers --workers-sweep auto \\
+    --bounded-twin none --edge-twins auth,access,prefix,flow \\
     --report bench-results/rb-edge.md --results bench-results/rb-edge
 ```
 

@@ -19,7 +19,12 @@ HOST_CORES = 16  # the projection's router host
 ITL_MS = 20.0  # the projection's streams: one chunk per stream every 20 ms
 MODES = {"no": "json", "yes": "stream"}
 # edge twin kind -> what is on
-EDGE = {"auth": "client keys", "access": "access log", "prefix": "prefix placement"}
+EDGE = {
+    "auth": "client keys",
+    "access": "access log",
+    "prefix": "prefix placement",
+    "flow": "flow control",
+}
 
 
 def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, Any] | None:
@@ -290,7 +295,7 @@ def _bounded(suite: dict[str, Any]) -> str:
 
 
 def edge_kind(target: str) -> str:
-    """`auth`, `access` or `prefix` for an edge twin's name."""
+    """`auth`, `access`, `prefix` or `flow` for an edge twin's name."""
     kind = target.rpartition("-")[2]
     return kind if kind in EDGE else ""
 
@@ -404,6 +409,13 @@ def _edge_intro(suite: dict[str, Any]) -> str:
                 "the index and its pick shared with the other workers; with one prefill engine "
                 "the ranking has one candidate, but every step is paid. The engines publish no "
                 "KV events here: the index is Narwhal's own placements."
+            )
+        elif kind == "flow":
+            parts.append(
+                f"**{twin}**: `flow: {{enabled: true}}` under `single_attempt`: each request "
+                "asks the control process for a start and tells it when each leg is placed and "
+                "when it is done (the engines have no `max_concurrency` here, so every ask is "
+                "granted at once): the round trip flow control adds when nothing waits."
             )
         elif kind == "access":
             log = check.get("log", f"{twin}.log")

@@ -6,9 +6,11 @@ the migration splice instead of as raw bytes, for its cost beside `single_attemp
 edge twins: Narwhal at `auto` again with client keys on (`narwhal-wauto-auth`: `auth.api_keys_env`
 set, every request carrying `Authorization: Bearer <key>`), with the access log on
 (`narwhal-wauto-access`: `logging.access: true`, one JSON line per request to the router's
-stderr, which the bench captures to its log file) and placing by prefix (`narwhal-wauto-prefix`:
+stderr, which the bench captures to its log file), placing by prefix (`narwhal-wauto-prefix`:
 `placement.policy: prefix` with the bench's tokenizer: every prompt tokenized, keyed, matched
-and its placement shared with the other workers), for the cost of each on the request path.
+and its placement shared with the other workers) and with flow control on
+(`narwhal-wauto-flow`: each request asks the control process for a start, which the engines'
+room grants at once here), for the cost of each on the request path.
 
 One prefill and one decode sim that answer at once (no inter-token latency, no TTFT delay),
 `max_tokens` 8, c=64 and c=256, non-streaming then streaming; `reps` rounds, each running every
@@ -85,6 +87,7 @@ EDGE = {
     "auth": "client keys (`auth.api_keys_env`), `Authorization: Bearer <key>` on every request",
     "access": "the access log (`logging.access: true`), one JSON line per request",
     "prefix": "cache-aware placement (`placement.policy: prefix`, the bench's tokenizer)",
+    "flow": "flow control (`flow.enabled: true`): every request asks the control process to start",
 }
 EDGE_WORKERS = "auto"
 
@@ -136,8 +139,8 @@ def parse_twin(text: str) -> tuple[str, ...]:
 
 
 def parse_edge(text: str) -> tuple[str, ...]:
-    """`--edge-twins`: any of `auth`, `access` and `prefix` (`auth,prefix`), or `none`;
-    ValueError otherwise."""
+    """`--edge-twins`: any of `auth`, `access`, `prefix` and `flow` (`auth,prefix`), or
+    `none`; ValueError otherwise."""
     if text.strip() == "none":
         return ()
     out: list[str] = []

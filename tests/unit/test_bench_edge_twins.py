@@ -114,7 +114,7 @@ def test_the_cli_replaces_the_modes_edge_list_or_turns_it_off() -> None:
     args = _parser().parse_args(["--report", "r", "--results", "d", "--edge-twins", "none"])
     assert args.edge_twins == ()
     for mode in (MODES["quick"], MODES["full"]):
-        assert mode.router_bound_edge == ("auth", "access", "prefix")
+        assert mode.router_bound_edge == ("auth", "access", "prefix", "flow")
         assert "auto" in mode.router_bound_workers
 
 
@@ -216,6 +216,9 @@ def test_the_prefix_twin_places_by_prefix_with_the_bench_tokenizer() -> None:
     }
     assert "placement" not in narwhal_config(router_spec("narwhal-wauto"), ENGINES, 1, Path("/x"))
     assert edge_kind(edge_target("prefix")) == "prefix"
+    flow = narwhal_config(router_spec("narwhal-wauto-flow"), ENGINES, 1234, Path("/tmp/x"))
+    assert flow["flow"] == {"enabled": True}
+    assert edge_kind(edge_target("flow")) == "flow"
 
 
 def test_the_prefix_twin_is_judged_against_issue_30s_cpu_target() -> None:
