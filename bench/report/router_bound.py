@@ -404,7 +404,7 @@ def _edge_intro(suite: dict[str, Any]) -> str:
         elif kind == "prefix":
             parts.append(
                 f"**{twin}**: `placement: {{policy: prefix, tokenizers: {{<model>: <the bench "
-                "tokenizer>}}}}`: every prompt tokenized (a word-level `tokenizer.json`, so "
+                "tokenizer>}}`: every prompt tokenized (a word-level `tokenizer.json`, so "
                 "cheaper per word than a real model's BPE), keyed in blocks, matched against "
                 "the index and its pick shared with the other workers; with one prefill engine "
                 "the ranking has one candidate, but every step is paid. The engines publish no "
@@ -659,7 +659,7 @@ def render(suite: dict[str, Any]) -> str:
         ]
     if edge_cells(suite):
         out += [
-            "#### Edge twins: client keys and the access log ÷ plain",
+            "#### Edge twins: one feature on ÷ plain",
             "",
             _edge_intro(suite),
             "",
