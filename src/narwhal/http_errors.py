@@ -13,13 +13,32 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
 
-from narwhal.dataplane.errors import openai_error
+from narwhal.dataplane.errors import error_body
 
 log = logging.getLogger("narwhal.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _JSON_PREFIXES = ("/v1/", "/admin/")
+
+
+def openai_error(
+    status: int,
+    message: str,
+    type_: str,
+    *,
+    param: str | None = None,
+    retry_after_s: int | None = None,
+) -> web.Response:
+    """An OpenAI-shaped error as the admin app's aiohttp answer (the data plane builds its own
+    `Answer`s without aiohttp, `dataplane/errors.py`)."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return web.Response(
+        status=status,
+        body=error_body(message, type_, status, param),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 def _json_path(path: str) -> bool:

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from narwhal.config import ConfigError, parse_engine
 from narwhal.control.membership import MembershipConflict
-from narwhal.dataplane.errors import openai_error
+from narwhal.http_errors import openai_error
 
 if TYPE_CHECKING:
     from narwhal.server import Router

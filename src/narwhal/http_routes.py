@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from narwhal.dataplane.errors import openai_error
+from narwhal.http_errors import openai_error
 from narwhal.http_membership import add_membership_routes
 from narwhal.state.handoff import newest
 from narwhal.telemetry import admin_views

@@ -11,6 +11,8 @@ everything.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,10 +61,17 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "h1_body": set(),  # a message body's buffer, for the engine client and the client server
     "tls": {"config"},
+    # the admin app's aiohttp answers (`openai_error`): the data plane never imports aiohttp
     "http_errors": {"dataplane"},
-    "http_membership": {"config", "control", "dataplane", "server"},  # `server`: types only
+    "http_membership": {
+        "config",
+        "control",
+        "dataplane",
+        "http_errors",
+        "server",
+    },  # `server`: types only
     # `server`: types only; `telemetry`: the admin documents (admin_views)
-    "http_routes": {"dataplane", "http_membership", "server", "state", "telemetry"},
+    "http_routes": {"dataplane", "http_errors", "http_membership", "server", "state", "telemetry"},
     "server": {
         "clock",
         "config",
@@ -124,3 +133,11 @@ def test_the_engine_state_leaf_takes_only_the_failure_taxonomy_from_engine() -> 
         and node.module.startswith("narwhal.engine")
     }
     assert modules == {"narwhal.engine.failures"}
+
+
+def test_a_data_plane_worker_starts_without_importing_aiohttp() -> None:
+    """A worker serves the data plane on its own HTTP/1 stacks; aiohttp (about 0.1 s of a
+    worker's start) is imported only at its first forward to the control process."""
+    probe = "import sys, narwhal.process.worker; print('aiohttp' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

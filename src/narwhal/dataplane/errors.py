@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
 
 from narwhal.dataplane.exchange import Answer
 
@@ -11,23 +10,6 @@ from narwhal.dataplane.exchange import Answer
 def error_body(message: str, type_: str, code: int | str | None, param: str | None = None) -> bytes:
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
-
-
-def openai_error(
-    status: int,
-    message: str,
-    type_: str,
-    *,
-    param: str | None = None,
-    retry_after_s: int | None = None,
-) -> web.Response:
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return web.Response(
-        status=status,
-        body=error_body(message, type_, status, param),
-        content_type="application/json",
-        headers=headers,
     )
 
 

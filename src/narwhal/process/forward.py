@@ -10,12 +10,14 @@ already bounded by the server (`serving.max_body_bytes`).
 from __future__ import annotations
 
 import hmac
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from narwhal.dataplane.errors import error_answer, error_body
 from narwhal.process.gate import CONTROL_LOST
 from narwhal.process.h1_server import ServerRequest
+
+if TYPE_CHECKING:
+    import aiohttp
 
 NDJSON = "application/x-ndjson"
 
@@ -38,6 +40,10 @@ class ControlForward:
         return not hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
     async def __call__(self, request: ServerRequest) -> None:
+        # Imported at the first forward: a worker's start does not pay for aiohttp (about
+        # 0.1 s of its imports) to serve the data plane, which never uses it.
+        import aiohttp
+
         if self._denied(request):
             body = error_body("missing or wrong admin token", "unauthorized", 401)
             headers = {"WWW-Authenticate": 'Bearer realm="narwhal-admin"'}
