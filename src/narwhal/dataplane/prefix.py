@@ -292,15 +292,17 @@ class PrefixPlacement:
     def placed(
         self, prompt: Prompt, engine_id: str, matched_tokens: int, *, prefill: bool = True
     ) -> None:
-        """A prefill with the prompt's keys went to `engine_id`: speculative until its events
-        confirm it, and told to the other processes."""
+        """A leg with the prompt's keys went to `engine_id`: speculative until its events
+        confirm it. A prefill's pick is told to the other processes too; a decode's is not
+        (its prefix earns a decode engine little beside its load, `score`, and sharing it
+        cost a frame to the control process and one to each other worker per request)."""
         now = self._clock.monotonic()
         self.index.note_placed(
             prompt.model, engine_id, prompt.keys, now, matched_tokens=matched_tokens
         )
-        self._share(prompt.model, engine_id, prompt.keys)
-        if not prefill:  # a decode's queue is not charged in tokens (`score`)
+        if not prefill:  # nor is a decode's queue charged in tokens (`score`)
             return
+        self._share(prompt.model, engine_id, prompt.keys)
         uncached = max(prompt.tokens - matched_tokens, 0)
         before = self._work.get(engine_id)
         self._work[engine_id] = (
