@@ -98,6 +98,21 @@ async def ejected(http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str
     return (await engine(http, rr, engine_id))["ejection"]
 
 
+async def workers_caught_up(http: aiohttp.ClientSession, rr: RunningRouter) -> None:
+    """Every data-plane worker has applied the control process's latest fleet snapshot (with
+    one process there is none to wait for)."""
+
+    async def caught_up() -> bool:
+        async with http.get(rr.url + "/admin/workers") as resp:
+            doc = await resp.json()
+        if doc["control"] is None:  # one process: it is the data plane
+            return True
+        version = doc["control"]["snapshot_version"]
+        return all(w["snapshot_version"] >= version for w in doc["workers"])
+
+    await eventually(caught_up, what="every worker on the latest fleet snapshot")
+
+
 def hold_names(state: dict[str, Any]) -> list[str]:
     return list(state["holds"])
 
@@ -152,16 +167,20 @@ async def test_refused_connections_eject_after_the_streak_and_peers_keep_serving
     record = await ejected(http, rr, "p1")
     assert record is not None
     assert record["cause"] == "connection"
-    assert record["evidence"]["connection"] == 2
+    assert record["evidence"]["connection"] == 2  # ejected at the streak, not later
     text = await metrics(http, rr)
-    assert metric(text, "narwhal_engine_failures_total", engine="p1",
-                  failure_class="connection") == 2  # fmt: skip
+    # Every refused connect is counted: the streak's two, and with workers any a worker made
+    # before the ejection's snapshot reached it (on a loaded machine, one burst's worth).
+    failures = metric(text, "narwhal_engine_failures_total", engine="p1",
+                      failure_class="connection")  # fmt: skip
+    assert failures >= 2
     assert metric(text, "narwhal_ejections_total", engine="p1", cause="connection") == 1
-    # After the ejection nothing is sent to p1 any more: more requests, no more failures.
+    # Once every process knows, nothing is sent to p1 any more: more requests, no failures.
+    await workers_caught_up(http, rr)
     assert await burst(http, rr, 4) == [200] * 4
     text = await metrics(http, rr)
     assert metric(text, "narwhal_engine_failures_total", engine="p1",
-                  failure_class="connection") == 2  # fmt: skip
+                  failure_class="connection") == failures  # fmt: skip
 
 
 @pytest.mark.slow
