@@ -190,10 +190,7 @@ class SimEngine:
 
     async def _prefill(self, tokens: int, factor: float) -> None:
         """Compute `tokens` prompt tokens: alone on the engine with `serial_prefill`."""
-        if self._compute is None:
-            await pause(self._sleeper, self._latency.ttft_s(tokens, factor))
-            return
-        async with self._compute:
+        async with self._compute or contextlib.nullcontext():
             await pause(self._sleeper, self._latency.ttft_s(tokens, factor))
 
     # --- the prefix cache -------------------------------------------------------------------
