@@ -7,10 +7,18 @@ import pytest
 from tests.support.etcd import etcd_server
 from tests.support.http import http
 from tests.support.llama import bins, slot_dir
-from tests.support.router import start_router
+from tests.support.router import start_router, worker_spawner
 from tests.support.sim_process import sim_factory
 
-__all__ = ["bins", "etcd_server", "http", "sim_factory", "slot_dir", "start_router"]
+__all__ = [
+    "bins",
+    "etcd_server",
+    "http",
+    "sim_factory",
+    "slot_dir",
+    "start_router",
+    "worker_spawner",
+]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -59,6 +59,7 @@ from narwhal.placement.load import EngineLoad
 from narwhal.process.forward import ControlForward
 from narwhal.process.h1_server import H1Server, Handler, LocalConnections, client_limits
 from narwhal.process.routes import ClientSurface, client_routes
+from narwhal.process.spawner import WorkerSpawner
 from narwhal.process.supervisor import Supervisor, sweep_stale_runtime_dirs
 from narwhal.process.table import CLIENT_CONNECTIONS, SharedInFlight, WorkerTable
 from narwhal.state.atomic import Filesystem, remove_stale_temps
@@ -106,6 +107,7 @@ class Router:
         config_path: Path | None = None,
         filesystem: Filesystem | None = None,
         lease_store: LeaseStore | None = None,
+        spawner: WorkerSpawner | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path  # re-read by a reload (SIGHUP, POST /admin/reload)
@@ -116,6 +118,9 @@ class Router:
         # process) this process's own data plane counts in-flight requests.
         self.workers = config.resolved_workers()
         self.supervisor: Supervisor | None = None
+        # Forks the workers (a test session shares one; otherwise the router's own).
+        self._spawner = spawner
+        self._owns_spawner = spawner is None
         self.fleet = Fleet(config.engines, self.clock, Policy.of(config.recovery))
         watch_fleet(self.fleet, self.metrics, self.clock)
         self.admission = Admission()
@@ -695,6 +700,9 @@ class Router:
                     bound = await self._prepare_workers(runner, runtime, host, port)
                 await self._serve(bound, host, on_ready)
         finally:
+            if self._owns_spawner and self._spawner is not None:
+                await self._spawner.aclose()  # after the workers: they die with it
+                self._spawner = None
             await self.client.close()
             await self.dataplane.close()
             await asyncio.to_thread(shutil.rmtree, runtime, True)
@@ -786,6 +794,9 @@ class Router:
         for engine in self.fleet:
             in_flight.add(engine.id)
         self.fleet.in_flight = in_flight
+        if self._spawner is None:
+            self._spawner = WorkerSpawner()
+        self._spawner.start()  # imports while the startup sweep runs
         sup = self.supervisor = Supervisor(
             self.config,
             self.workers,
@@ -801,6 +812,7 @@ class Router:
             self.clock,
             runtime,
             self.events.add,
+            self._spawner,
             placed=self.dataplane.prefix.placed_elsewhere,
             flow=self.flow,
         )

@@ -91,9 +91,10 @@ async def test_demo_serves_a_completion_and_stops_on_sigint(tmp_path: Path) -> N
             assert (r.status, await r.text()) == (200, "ready")
         engines = _children(proc.pid, "narwhal.sim.cli")
         assert len(engines) == 5, "2 prefill + 2 decode narwhal-sim processes, and a spare"
-        workers = _children(proc.pid, "narwhal.process.worker")
+        (zygote,) = _children(proc.pid, "narwhal.process.zygote")
+        workers = _children(zygote, "narwhal.process.zygote")  # forked: the zygote's argv
         assert len(workers) == len(os.sched_getaffinity(0)), "workers: auto"
-        engines += workers
+        engines += [zygote, *workers]
 
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         try:

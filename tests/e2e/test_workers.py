@@ -201,6 +201,38 @@ async def test_a_crashed_worker_is_restarted_and_its_requests_count_as_lost(
                 assert r.status == 200, await r.text()
 
 
+async def test_a_killed_worker_spawner_takes_its_workers_and_both_come_back(
+    start_router: StartRouter, sims: list[SimProcess]
+) -> None:
+    """Workers are forked by the router's zygote and die with it (their death signal); the
+    router starts a new zygote and restarts every worker from it."""
+    rr = await _start(start_router, sims, router_kwargs={"spawner": None})  # its own zygote
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        before = (await (await http.get(rr.url + "/admin/workers")).json())["workers"]
+        parents = {_parent(w["pid"]) for w in before}
+        assert len(parents) == 1 and os.getpid() not in parents
+        os.kill(parents.pop(), signal.SIGKILL)
+
+        async def both_restarted() -> list[dict[str, Any]] | None:
+            try:  # with both workers gone nothing listens, for a moment
+                async with http.get(rr.url + "/admin/workers") as r:
+                    workers: list[dict[str, Any]] = (await r.json())["workers"]
+            except aiohttp.ClientError:
+                return None
+            return workers if all(w["running"] and w["restarts"] for w in workers) else None
+
+        workers = await eventually(both_restarted, what="both workers restarted")
+        assert [w["last_exit"] for w in workers] == ["SIGKILL", "SIGKILL"]
+        assert {w["pid"] for w in workers}.isdisjoint(w["pid"] for w in before)
+        for _ in range(10):  # both serve again
+            async with http.post(rr.url + "/v1/completions", json=BODY) as r:
+                assert r.status == 200, await r.text()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _restarted(http: aiohttp.ClientSession, url: str) -> Any:
     async def probe() -> list[dict[str, Any]] | None:
         async with http.get(url + "/admin/workers") as r:
@@ -507,13 +539,22 @@ async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
     assert router_process.wait(10) == 0
 
 
-# Imported first by every Python process started with its directory on PYTHONPATH (`site`).
+# Imported first by every Python process started with its directory on PYTHONPATH (`site`):
+# in the zygote, worker 1's start is delayed.
 _SLOW_WORKER_1 = """\
 import time
 
-_argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
-if b"narwhal.process.worker" in _argv and _argv[_argv.index(b"--index") + 1] == b"1":
-    time.sleep({delay_s})
+if b"narwhal.process.zygote" in open("/proc/self/cmdline", "rb").read().split(b"\\0"):
+    from narwhal.process import worker
+
+    _main = worker.main
+
+    def _slow_main(argv):
+        if argv[argv.index("--index") + 1] == "1":
+            time.sleep({delay_s})
+        return _main(argv)
+
+    worker.main = _slow_main
 """
 
 

@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +53,7 @@ from narwhal.process.events import (
     encode_answer,
 )
 from narwhal.process.gate import GateData
+from narwhal.process.spawner import SpawnedWorker, WorkerSpawner
 from narwhal.process.table import (
     CHAT,
     COMPLETIONS,
@@ -140,6 +140,7 @@ class Supervisor:
         clock: Clock,
         runtime_dir: Path,
         note: Note,
+        spawner: WorkerSpawner,
         placed: Shared | None = None,
         flow: FlowService | None = None,
     ) -> None:
@@ -148,6 +149,7 @@ class Supervisor:
         workers are (cache-aware placement's speculative entries, DESIGN §11)."""
         self._config = config
         self._note = note
+        self._spawner = spawner
         self._placed = placed
         self._flow = flow
         if flow is not None:
@@ -178,7 +180,7 @@ class Supervisor:
         self._reservation: socket.socket | None = None
         self._host = ""
         self.port = 0
-        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._procs: dict[int, SpawnedWorker] = {}
         fleet.observe(self._on_fleet_change)
         fleet.observe_membership(self._on_membership)
         admission.on_change(self._schedule)
@@ -269,17 +271,7 @@ class Supervisor:
         w.request_prefix = request_prefix()
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "narwhal.process.worker",
-                "--channel-fd",
-                str(child.fileno()),
-                "--index",
-                str(w.index),
-                pass_fds=(child.fileno(), self.table.fd),
-                env=env,
-            )
+            proc = await self._spawner.spawn(w.index, child, self.table.fd, env)
         except OSError:
             parent.close()
             raise
@@ -320,11 +312,9 @@ class Supervisor:
         json_logs = any(type(h.formatter).__name__ == _JSON_FORMATTER for h in root.handlers)
         return {
             "config": self._config.model_dump(mode="json"),
-            "table_fd": self.table.fd,
             "rows": self.count,
             "queue_limit": self._queue_shares[w.index],
             "control_socket": self.control_socket,
-            "control_pid": os.getpid(),
             "grace_s": self._config.serving.shutdown_grace_s,
             "settle_s": self._window_s,
             "log": [logging.getLevelName(root.level).lower(), "json" if json_logs else "text"],

@@ -1,4 +1,5 @@
-"""A data-plane worker process: `python -m narwhal.process.worker --channel-fd F --index K`.
+"""A data-plane worker process, forked by the zygote (`process/zygote.py`), which calls `main`
+with `--channel-fd F --table-fd T --index K`.
 
 It serves the OpenAI endpoints on its own event loop from a `SO_REUSEPORT` listener on the
 router's port, placing requests over a replica of the control process's fleet. It never
@@ -8,8 +9,8 @@ is answered here, `/ready` and `/health` included (load balancers' probes never 
 control process); `/metrics`, `/admin/*` and the dashboard are forwarded to the control
 process, so they read the same whichever worker accepted the connection.
 
-It dies with the control process (`PR_SET_PDEATHSIG`), and stops admitting when the control
-process goes quiet (`gate.py`).
+It dies with its parent, the zygote, which dies with the control process (`PR_SET_PDEATHSIG`
+both), and stops admitting when the control process goes quiet (`gate.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -66,19 +66,7 @@ from narwhal.tls import load as tls_load
 
 log = logging.getLogger("narwhal.worker")
 
-_PR_SET_PDEATHSIG = 1
-EXIT_ORPHANED = 70
 STATS_INTERVAL_S = 0.25
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the control process dies (even by SIGKILL): no orphan keeps
-    the port. The check after closes the race where the parent died before the call."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent_pid:
-        os._exit(EXIT_ORPHANED)
 
 
 class _ChannelLink:
@@ -92,13 +80,13 @@ class _ChannelLink:
 
 
 class Worker:
-    def __init__(self, index: int, hello: Frame, channel: Channel) -> None:
+    def __init__(self, index: int, table_fd: int, hello: Frame, channel: Channel) -> None:
         self.index = index
         self._queue_share: int = hello["queue_limit"]
         self.config: Config = self._own(hello["config"])
         config = self.config
         self.clock = SystemClock()
-        self.table = WorkerTable(hello["table_fd"], hello["rows"])
+        self.table = WorkerTable(table_fd, hello["rows"])
         # The members come with the first (full) snapshot, each with its config and column.
         self._configs: dict[str, EngineConfig] = {}
         self._in_flight = SharedInFlight(self.table, index)
@@ -293,7 +281,7 @@ class Worker:
             await self.dataplane.close()
 
 
-async def _main(channel_fd: int, index: int) -> int:
+async def _main(channel_fd: int, table_fd: int, index: int) -> int:
     loop = asyncio.get_running_loop()
     hello: asyncio.Future[Frame] = loop.create_future()
     early: list[Frame] = []
@@ -316,10 +304,9 @@ async def _main(channel_fd: int, index: int) -> int:
     sock = socket.socket(fileno=channel_fd)
     channel = await Channel.open(sock, on_frame, on_lost)
     first = await hello
-    die_with_parent(first["control_pid"])
     logs.configure(*first["log"])
     _use_multiprocess_metrics(first["metrics_id"])
-    worker = Worker(index, first, channel)
+    worker = Worker(index, table_fd, first, channel)
     for frame in early:
         worker.on_frame(frame)
     # SIGTERM to this worker alone: drain it (the control process restarts it).
@@ -340,6 +327,7 @@ def _use_multiprocess_metrics(ident: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="narwhal-worker")
     parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--table-fd", type=int, required=True)
     parser.add_argument("--index", type=int, required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the control process decides
@@ -351,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         contextlib.suppress(ConnectionError),
         asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
     ):
-        return runner.run(_main(args.channel_fd, args.index))
+        return runner.run(_main(args.channel_fd, args.table_fd, args.index))
     return 0
 
 
