@@ -1,5 +1,5 @@
 """Coverage-guided fuzzing (atheris, libFuzzer) of the HTTP/1 server's connection: the parser
-shell (`process/h1_server.py`) around its state machine (`process/h1_state.py`), fed bytes
+shell (`process/h1_connection.py`) around its state machine (`process/h1_state.py`), fed bytes
 split at fuzzed points over a fake transport, with handlers that read the body and answer.
 
 Run by `tests/hostile/test_atheris.py` in a subprocess for a bounded time; by hand:
@@ -24,8 +24,9 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports():
+    from narwhal.process.h1_connection import ServerConnection
     from narwhal.process.h1_request import ServerRequest
-    from narwhal.process.h1_server import H1Server, ServerConnection
+    from narwhal.process.h1_server import H1Server
     from narwhal.process.h1_state import Limits
 
 LIMITS = Limits(max_body_bytes=256, max_head_bytes=1024)

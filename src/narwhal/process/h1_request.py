@@ -3,7 +3,7 @@ arrives, and the answer, whole or streamed. It is the data plane's `Exchange`
 (`dataplane/exchange.py`).
 
 Why a module of its own: what a handler can do with a request is separate from how the
-connection parses and times it (`h1_server.ServerConnection`, around `h1_state`). A request
+connection parses and times it (`h1_connection.ServerConnection`, around `h1_state`). A request
 talks to its connection only through `RequestConnection`, so its unit tests drive it with a
 fake connection (tests/unit/test_h1_request.py). The body is an `h1_body.BodyBuffer`, the
 engine client's buffer, with the same back-pressure: past its high water the connection stops
@@ -27,7 +27,7 @@ from narwhal.process.h1_state import Refusal
 
 
 class RequestConnection(Protocol):
-    """What a request needs of its connection (`h1_server.ServerConnection`)."""
+    """What a request needs of its connection (`h1_connection.ServerConnection`)."""
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
