@@ -56,8 +56,10 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
+# The slowest tests are listed at the end, so CI's log shows where the suite's time goes
+# (docs/testing.md).
 pytest: $(STAMP) system-deps
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # The data-plane, failure, migration, embeddings and OpenAI-surface scenarios again with one
 # process (the default is a control process and one worker per CPU): both modes stay covered
