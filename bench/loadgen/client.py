@@ -38,24 +38,37 @@ class Bodies:
         self.headers = _HEADERS
         if spec.api_key:
             self.headers = {**_HEADERS, "Authorization": f"Bearer {spec.api_key}"}
-        words = " ".join(f"w{i % 256}" for i in range(max(0, spec.prompt_words - 2)))
+        # `prompt_words` words: the first half the same in every request, then the request's
+        # number in three words, the marker and the rest (32: 16 + 3 + 1 + 12). All are in the bench tokenizer's
+        # vocabulary, so a prompt's token ids (and the block keys placed by prefix) differ
+        # past the shared half, as a real prompt's would (a number outside the vocabulary made
+        # every prompt's ids the same).
+        words = [f"w{i % 256}" for i in range(max(0, spec.prompt_words - 4))]
+        half = spec.prompt_words // 2  # 16 of 32: one block of 16 tokens shared
+        shared, rest = " ".join(words[:half]), " ".join(words[half:])
         self.model_head = f'{{"model":{json.dumps(spec.model)},"prompt":'.encode()
-        self.head = self.model_head + f'"{words} {MARKER} n'.encode()
+        self.head = self.model_head + f'"{shared} '.encode()
+        rest = f" {MARKER} {rest}".rstrip()
         self.tails = {
-            True: f'","max_tokens":{spec.max_tokens},"stream":true}}'.encode(),
-            False: f'","max_tokens":{spec.max_tokens},"stream":false}}'.encode(),
+            True: f'{rest}","max_tokens":{spec.max_tokens},"stream":true}}'.encode(),
+            False: f'{rest}","max_tokens":{spec.max_tokens},"stream":false}}'.encode(),
         }
-        self.prefill_tail = b'","max_tokens":1,"stream":false' + _PREFILL_PARAMS
+        self.prefill_tail = f'{rest}","max_tokens":1,"stream":false'.encode() + _PREFILL_PARAMS
 
     def prompt(self, prompt: str, stream: bool) -> bytes:
         """A workload's prompt in the same body."""
         return self.model_head + json.dumps(prompt).encode() + self.tails[stream][1:]
 
     def body(self, i: int, stream: bool) -> bytes:
-        return self.head + str(i).encode() + self.tails[stream]
+        return self.head + _number(i) + self.tails[stream]
 
     def prefill(self, i: int) -> bytes:
-        return self.head + str(i).encode() + self.prefill_tail
+        return self.head + _number(i) + self.prefill_tail
+
+
+def _number(i: int) -> bytes:
+    """`i` (below 2**24) as three words of the bench tokenizer's vocabulary."""
+    return b"w%d w%d w%d" % (i & 255, (i >> 8) & 255, (i >> 16) & 255)
 
 
 _MESSAGE = re.compile(rb'"message"\s*:\s*"([^"]{0,80})')

@@ -10,7 +10,7 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import Role, parse_config
-from narwhal.dataplane.prefix import PrefixPlacement, events_of
+from narwhal.dataplane.prefix import RETELL_SHARE, PrefixPlacement, events_of
 from narwhal.dataplane.requests import parse_request
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Candidate, Ejection, EngineState
@@ -189,3 +189,47 @@ def test_an_engine_s_reported_cache_size_bounds_its_approximate_entries() -> Non
     # Its 4 most recent blocks, in the approximate tier and in the speculative one.
     assert prefix.index.index_blocks("p1") == 2 * 4
     assert prefix.index.index_blocks("p0") > 2 * 4  # configured: the scrape does not override
+
+
+def test_a_prefill_s_keys_are_told_to_the_other_processes_when_new_to_them() -> None:
+    """Telling costs a frame to the control process and to each other worker: a prompt
+    placed again on the same engine is told again only once the others' speculative entry
+    has lived a quarter of its life, so a hot prefix costs no frame per request."""
+    clock = FakeClock()
+    told: list[tuple[str, str, int]] = []
+    prefix = PrefixPlacement(CONFIG, clock, share=lambda m, e, keys: told.append((m, e, len(keys))))
+    prefix.sync(states().values(), clock.monotonic())
+    retell_s = prefix.index.config.speculative_ttl_s * RETELL_SHARE
+    placed_on(prefix, "p1")
+    placed_on(prefix, "p1")
+    assert len(told) == 1 and told[0][:2] == ("m", "p1") and told[0][2] > 0
+    placed_on(prefix, "p0")  # the same keys, new to another engine
+    other = parse_request("completions", _body("another prompt " * 30), "m")
+    other_prompt = prefix.prompt_now(other, "m")
+    assert other_prompt is not None
+    prefix.placed(other_prompt, "p1", 0)  # new keys on the same engine
+    assert [e for _, e, _ in told] == ["p1", "p0", "p1"]
+    clock.advance(retell_s * 0.9)
+    placed_on(prefix, "p1")
+    assert len(told) == 3
+    clock.advance(retell_s * 0.1)
+    placed_on(prefix, "p1")
+    assert len(told) == 4, "told again: the others' entries stay fresh"
+    prefix.placed(other_prompt, "d0", 0, prefill=False)
+    assert len(told) == 4, "a decode's pick is never told"
+    clock.advance(retell_s)
+    prefix.sync(states().values(), clock.monotonic())
+    assert prefix._told == {}, "what the others have forgotten by now is dropped"
+
+
+def test_a_prefix_is_told_again_once_its_engine_was_emptied() -> None:
+    clock = FakeClock()
+    told: list[str] = []
+    prefix = PrefixPlacement(CONFIG, clock, share=lambda m, e, keys: told.append(e))
+    fleet = states()
+    prefix.sync(fleet.values(), clock.monotonic())
+    placed_on(prefix, "p1")
+    fleet["p1"] = replace(fleet["p1"], generation=2.0)  # restarted: every process empties it
+    prefix.sync(fleet.values(), clock.monotonic())
+    placed_on(prefix, "p1")
+    assert told == ["p1", "p1"]

@@ -73,6 +73,10 @@ def events_of(engine: EngineConfig, placement: PlacementConfig) -> KvEventsEndpo
 
 # How fast an engine's tokens-per-request average follows its newest prefill placement.
 WORK_EWMA = 0.2
+# A prefill's keys placed on an engine are told to the other processes when they are new
+# there, and again only once this share of the speculative entries' life has passed: the
+# others' entries stay fresh, and a hot prefix costs no frame per request.
+RETELL_SHARE = 0.25
 
 
 class PrefixPlacement:
@@ -107,12 +111,16 @@ class PrefixPlacement:
         # Per engine: the uncached tokens of the prefills this process placed there lately (a
         # moving average), what `score.rank` charges for each request in its queue.
         self._work: dict[str, float] = {}
+        # (model, engine, the prompt's last key: its whole chain) -> when it was last told.
+        self._told: dict[tuple[str, str, BlockKey], float] = {}
+        self._retell_s = self.index.config.speculative_ttl_s * RETELL_SHARE
 
     # ------------------------------------------------------------ membership and hygiene
     def sync(self, engines: Iterable[EngineState], now: float) -> None:
         """The fleet as it is now: engines added, removed, and dropped by the hygiene rules."""
         if not self.enabled:
             return
+        emptied: set[str] = set()  # the others empty it too: what was told is to tell again
         present = set()
         for engine in engines:
             if engine.role is Role.EMBED:
@@ -149,6 +157,7 @@ class PrefixPlacement:
             if before is not None and ((out and not before[0]) or restarted):
                 log.info("placement: %s holds nothing now (out or a new generation)", engine.id)
                 self.index.drop_engine(engine.id)
+                emptied.add(engine.id)
             self._seen[engine.id] = (out, engine.generation)
             if endpoint is not None:
                 self._endpoints[engine.id] = endpoint
@@ -156,9 +165,15 @@ class PrefixPlacement:
                 self._endpoints.pop(engine.id, None)
         for gone in set(self._seen) - present:
             self.index.remove_engine(gone)
+            emptied.add(gone)
             del self._seen[gone]
             self._scraped_capacity.discard(gone)
             self._endpoints.pop(gone, None)
+        self._told = {
+            told: at
+            for told, at in self._told.items()
+            if now - at < self._retell_s and told[1] not in emptied
+        }
 
     def set_loads(self, loads: Mapping[str, EngineLoad]) -> None:
         """The engines' scraped loads; a reported cache size bounds the engine's approximate
@@ -293,16 +308,22 @@ class PrefixPlacement:
         self, prompt: Prompt, engine_id: str, matched_tokens: int, *, prefill: bool = True
     ) -> None:
         """A leg with the prompt's keys went to `engine_id`: speculative until its events
-        confirm it. A prefill's pick is told to the other processes too; a decode's is not
-        (its prefix earns a decode engine little beside its load, `score`, and sharing it
-        cost a frame to the control process and one to each other worker per request)."""
+        confirm it. A prefill's pick is told to the other processes too, when it is new to
+        them (`RETELL_SHARE`); a decode's is not (its prefix earns a decode engine little
+        beside its load, `score`). Each telling costs a frame to the control process and one
+        to each other worker, and wakes each of them."""
         now = self._clock.monotonic()
         self.index.note_placed(
             prompt.model, engine_id, prompt.keys, now, matched_tokens=matched_tokens
         )
         if not prefill:  # nor is a decode's queue charged in tokens (`score`)
             return
-        self._share(prompt.model, engine_id, prompt.keys)
+        if prompt.keys:
+            told = (prompt.model, engine_id, prompt.keys[-1])
+            last = self._told.get(told)
+            if last is None or now - last >= self._retell_s:
+                self._told[told] = now
+                self._share(prompt.model, engine_id, prompt.keys)
         uncached = max(prompt.tokens - matched_tokens, 0)
         before = self._work.get(engine_id)
         self._work[engine_id] = (
