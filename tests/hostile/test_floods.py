@@ -12,7 +12,7 @@ import uuid
 import orjson
 import pytest
 
-from tests.hostile.conftest import MAX_CONNECTIONS, TOKEN, Hostile
+from tests.hostile.conftest import MAX_CONNECTIONS, SERVING, TOKEN, Hostile
 from tests.hostile.metrics import rejected
 from tests.hostile.wire import answers, exchange
 from tests.support.poll import eventually
@@ -87,21 +87,28 @@ async def test_connections_past_the_bound_are_refused_and_counted(hostile: Hosti
     """Refused past the bound: 2,200 clients each make one request and then sit idle in
     keep-alive, against `max_client_connections` 1,000. At most the bound's worth are
     served (the flow holds some), every other one is closed on accept with nothing read or
-    written, and each is counted as `connections`; the flow's open connections keep
+    written, and each is counted as `connections` (but one the router closed as idle: its
+    client wrote nothing within the head's timeout); the flow's open connections keep
     working, and once the crowd leaves a new client is served."""
     before = await asyncio.to_thread(rejected, hostile.url, "connections")
     crowd = 2200
     held: list[asyncio.StreamWriter] = []
-    served = refused = 0
+    served = refused = late = 0
 
     async def one() -> None:
-        nonlocal served, refused
+        nonlocal served, refused, late
+        started = time.monotonic()
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", hostile.port)
         except OSError:
             refused += 1
             return
         held.append(writer)
+        # This process resumes 2,200 connects one after another: on a loaded machine one may
+        # write its request more than the head's timeout after the router accepted it, and
+        # the router rightly closes a connection that said nothing by then, as an idle one
+        # (`h1_state`), not as one past the bound.
+        wrote_late = time.monotonic() - started > SERVING["client_header_timeout_s"]
         try:
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             async with asyncio.timeout(20):
@@ -110,12 +117,13 @@ async def test_connections_past_the_bound_are_refused_and_counted(hostile: Hosti
             served += 1
         except (ConnectionError, asyncio.IncompleteReadError):
             refused += 1
+            late += wrote_late
 
     started = time.monotonic()
     try:
         await asyncio.gather(*(one() for _ in range(crowd)))
         took_s = time.monotonic() - started
-        print(f"{hostile.mode}: {served} served, {refused} refused in {took_s:.1f} s")
+        print(f"{hostile.mode}: {served} served, {refused} refused ({late} late) in {took_s:.1f} s")
         assert served + refused == crowd
         assert served <= MAX_CONNECTIONS
         assert refused >= crowd - MAX_CONNECTIONS
@@ -133,12 +141,13 @@ async def test_connections_past_the_bound_are_refused_and_counted(hostile: Hosti
             seen[:] = [exc]
             return False
         seen[:] = [now - before]
-        return now - before >= refused
+        return now - before >= refused - late
 
     try:
         await eventually(counted, timeout_s=20, what="the refusals counted, a client served again")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: {refused} refused, {served} served, saw {seen}") from None
+        message = f"{refused} refused ({late} written late), {served} served, saw {seen}"
+        raise AssertionError(f"{exc}: {message}") from None
 
 
 async def test_a_pipelining_flood_is_answered_once_each_in_order(hostile: Hostile) -> None:
