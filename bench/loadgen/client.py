@@ -39,10 +39,10 @@ class Bodies:
         if spec.api_key:
             self.headers = {**_HEADERS, "Authorization": f"Bearer {spec.api_key}"}
         # `prompt_words` words: the first half the same in every request, then the request's
-        # number in three words, the marker and the rest (32: 16 + 3 + 1 + 12). All are in the bench tokenizer's
-        # vocabulary, so a prompt's token ids (and the block keys placed by prefix) differ
-        # past the shared half, as a real prompt's would (a number outside the vocabulary made
-        # every prompt's ids the same).
+        # number in three words, the marker and the rest (32: 16 + 3 + 1 + 12). All are in
+        # the bench tokenizer's vocabulary, so a prompt's token ids (and the block keys placed
+        # by prefix) differ past the shared half, as a real prompt's would (a number outside
+        # the vocabulary made every prompt's ids the same).
         words = [f"w{i % 256}" for i in range(max(0, spec.prompt_words - 4))]
         half = spec.prompt_words // 2  # 16 of 32: one block of 16 tokens shared
         shared, rest = " ".join(words[:half]), " ".join(words[half:])
