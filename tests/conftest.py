@@ -8,13 +8,14 @@ from tests.support.etcd import etcd_server
 from tests.support.http import http
 from tests.support.llama import bins, slot_dir
 from tests.support.router import start_router, worker_spawner
-from tests.support.sim_process import sim_factory
+from tests.support.sim_process import sim_factory, sim_spawner
 
 __all__ = [
     "bins",
     "etcd_server",
     "http",
     "sim_factory",
+    "sim_spawner",
     "slot_dir",
     "start_router",
     "worker_spawner",

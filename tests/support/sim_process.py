@@ -24,6 +24,8 @@ from typing import Any, Self
 
 import pytest
 
+from tests.support.sim_zygote import ForkedSim, SimSpawner
+
 READY_PREFIX = "narwhal-sim listening on "
 _HTTP_TIMEOUT_S = 10.0
 
@@ -32,21 +34,31 @@ class SimProcess:
     """One simulated engine process. Extra CLI arguments go to `narwhal-sim serve`."""
 
     def __init__(
-        self, *args: str, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 20.0
+        self,
+        *args: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        start_timeout_s: float = 20.0,
+        spawner: SimSpawner | None = None,
     ) -> None:
         self.args = tuple(args)
         self.host = host
         self._port = port
         self.start_timeout_s = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._spawner = spawner
+        self._proc: subprocess.Popen[bytes] | ForkedSim | None = None
         self.url = ""
 
     # --- lifecycle --------------------------------------------------------------------------
 
     def launch(self) -> None:
-        """Start the process without waiting for it to listen (see `wait_ready`)."""
-        cmd = [sys.executable, "-m", "narwhal.sim.cli", "serve", "--host", self.host]
-        cmd += ["--port", str(self._port), *self.args]
+        """Start the process without waiting for it to listen (see `wait_ready`): forked
+        by the session's `SimSpawner` when there is one, else `python -m narwhal.sim.cli`."""
+        argv = ["serve", "--host", self.host, "--port", str(self._port), *self.args]
+        if self._spawner is not None:
+            self._proc = self._spawner.spawn(argv)
+            return
+        cmd = [sys.executable, "-m", "narwhal.sim.cli", *argv]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
 
     def wait_ready(self) -> None:
@@ -150,7 +162,7 @@ class SimProcess:
     ) -> None:
         await asyncio.to_thread(self.close)
 
-    def _require(self) -> subprocess.Popen[bytes]:
+    def _require(self) -> subprocess.Popen[bytes] | ForkedSim:
         if self._proc is None:
             raise RuntimeError("the sim process was never started")
         return self._proc
@@ -236,17 +248,19 @@ class SimProcess:
 
 
 class SimFactory:
-    """Starts sims and stops every one it started on `close()`."""
+    """Starts sims (forked by `spawner` when given) and stops every one it started on
+    `close()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, spawner: SimSpawner | None = None) -> None:
         self._sims: list[SimProcess] = []
+        self._spawner = spawner
 
     def __call__(self, *args: str, **kwargs: Any) -> SimProcess:
         return self.start_many([args], **kwargs)[0]
 
     def start_many(self, specs: Sequence[Sequence[str]], **kwargs: Any) -> list[SimProcess]:
         """Start several sims in parallel, one per argument list."""
-        sims = [SimProcess(*spec, **kwargs) for spec in specs]
+        sims = [SimProcess(*spec, spawner=self._spawner, **kwargs) for spec in specs]
         self._sims.extend(sims)
         for sim in sims:
             sim.launch()
@@ -270,10 +284,18 @@ def start_sims(specs: Sequence[Sequence[str]]) -> list[SimProcess]:
         raise
 
 
+@pytest.fixture(scope="session")
+def sim_spawner() -> Iterator[SimSpawner]:
+    """The session's simulator zygote (`tests/support/sim_zygote.py`)."""
+    spawner = SimSpawner()
+    yield spawner
+    spawner.close()
+
+
 @pytest.fixture
-def sim_factory() -> Iterator[SimFactory]:
+def sim_factory(sim_spawner: SimSpawner) -> Iterator[SimFactory]:
     """`sim_factory("--role", "prefill", ...)` starts a sim; all are stopped after the test."""
-    factory = SimFactory()
+    factory = SimFactory(sim_spawner)
     try:
         yield factory
     finally:
