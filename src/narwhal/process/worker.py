@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from typing import Any
 
 import uvloop
@@ -341,7 +340,3 @@ def main(argv: list[str] | None = None) -> int:
     ):
         return runner.run(_main(args.channel_fd, args.table_fd, args.index))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
