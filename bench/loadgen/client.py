@@ -31,8 +31,9 @@ _HEADERS = {"Content-Type": "application/json"}
 
 
 class Bodies:
-    """`{"model", "prompt": "<words> bnchld n<i>", "max_tokens", "stream"}` as bytes, and the
-    headers of a request to the router (with `Authorization` when the spec has a key)."""
+    """`{"model", "prompt": "<16 words> <i in 3 words> bnchld <12 words>", "max_tokens",
+    "stream"}` (for 32 words) as bytes, and the headers of a request to the router (with
+    `Authorization` when the spec has a key)."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.headers = _HEADERS

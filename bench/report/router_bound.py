@@ -585,7 +585,8 @@ def _intro(suite: dict[str, Any]) -> str:
     sweep = ", ".join(w for t, w in suite.get("workers", {}).items() if t not in twins) or "none"
     return (
         f"One prefill and one decode sim answering at once (no inter-token latency, no TTFT "
-        f"delay), prompts of {suite['prompt_words']} words, `max_tokens` {suite['max_tokens']} "
+        f"delay), prompts of {suite['prompt_words']} words (the first half the same in every "
+        f"request, then the request's own), `max_tokens` {suite['max_tokens']} "
         f"(a stream is {suite['max_tokens']} events and `[DONE]`), {cs}, non-streaming then "
         f"streaming; {suite['reps']} round(s) of {suite['run_s']:.1f} s per target, each after "
         "its own warm-up run (4 requests per client, outside the measurement), targets in a "
