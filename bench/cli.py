@@ -119,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the mode's, all four)",
     )
     p.add_argument(
+        "--reps",
+        type=int,
+        metavar="N",
+        help="router_bound: rounds per cell, medians over them (default: the mode's, 3); an "
+        "A/B of a few percent needs more than the default against this machine's noise",
+    )
+    p.add_argument(
         "--ab-src",
         type=Path,
         metavar="SRC",
@@ -147,6 +154,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, router_bound_bounded=args.bounded_twin)
     if args.edge_twins is not None:
         mode = replace(mode, router_bound_edge=args.edge_twins)
+    if args.reps is not None:
+        mode = replace(mode, router_bound_reps=args.reps)
     results_dir, work = _prepare(args.results, mode.name)
     started = time.time()
     if args.no_peers:

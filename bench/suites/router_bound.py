@@ -63,6 +63,7 @@ METRICS = (
     "log_bytes_per_req",
 )
 _WORKER_MODULE = "narwhal.process.worker"
+_ZYGOTE_MODULE = "narwhal.process.zygote"  # workers are forked from it: they share its argv
 
 
 # Sized for the load, as an operator would: each of c=256 requests can hold a socket to its
@@ -170,7 +171,7 @@ class ProcSample:
     """One process of a router at one moment."""
 
     pid: int
-    role: str  # control, worker K, router, or child N
+    role: str  # control, worker K, zygote, router, or child N
     cpu_s: float
     rss_kb: int
 
@@ -203,21 +204,29 @@ def _worker_index(argv: list[str]) -> int | None:
 
 def sample(root: int) -> TreeSample:
     """CPU and RSS of `root` and each of its descendants, each named by its role: Narwhal's
-    data-plane workers by their index, the process started by the bench `control` when it has
-    workers and `router` otherwise, anything else `child N` (in pid order)."""
+    data-plane workers by their index (an older revision's, exec'd with `--index K`) or in pid
+    order (forked by the `zygote`, whose command line they keep), the process started by the
+    bench `control` when it has workers and `router` otherwise, anything else `child N` (in
+    pid order)."""
     found: dict[int, tuple[str, float, int]] = {}
     children = 0
     workers = 0
+    zygote_seen = False
     for pid in tree(root):
         try:
             u = usage(pid)
         except (OSError, ValueError, IndexError):
             continue  # gone in the meantime
-        index = _worker_index(_cmdline(pid)) if pid != root else None
+        argv = _cmdline(pid) if pid != root else []
+        index = _worker_index(argv)
         if pid == root:
             role = "router"
         elif index is not None:
             role, workers = f"worker {index}", workers + 1
+        elif _ZYGOTE_MODULE in argv and not zygote_seen:
+            role, zygote_seen = "zygote", True  # first in the tree's order, its children after
+        elif _ZYGOTE_MODULE in argv:
+            role, workers = f"worker {workers}", workers + 1
         else:
             role, children = f"child {children}", children + 1
         found[pid] = (role, u.cpu_s, u.rss_kb)

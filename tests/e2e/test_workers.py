@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from bench.suites import router_bound
 
 from tests.support.etcd import free_port
 from tests.support.http import metric_sum
@@ -457,6 +458,20 @@ async def test_killing_the_control_process_closes_the_port_within_a_second(
     router_process.signal(signal.SIGKILL)
     await eventually(lambda: _refused(router_process.port), timeout_s=1.0, what="port closed")
     await eventually(lambda: all(_gone(p) for p in pids), timeout_s=1.0, what="workers gone")
+
+
+async def test_the_router_bound_bench_names_each_process_of_a_worker_mode_router(
+    router_process: _RouterProcess,
+) -> None:
+    """The bench's CPU per role (docs/benchmarks.md): forked workers keep the zygote's command
+    line, and a report that took them for stray children said `one process` of a router
+    with two workers."""
+    pids = await _worker_pids(router_process.url)
+    assert router_process.proc is not None
+    roles = {p.pid: p.role for p in router_bound.sample(router_process.proc.pid).procs.values()}
+    assert roles.pop(router_process.proc.pid) == "control"
+    assert sorted(roles[pid] for pid in pids) == ["worker 0", "worker 1"]
+    assert sorted(roles.values()) == ["worker 0", "worker 1", "zygote"]
 
 
 async def test_a_stopped_control_process_makes_the_workers_refuse(
