@@ -9,7 +9,6 @@ from tests.support.http import http
 from tests.support.llama import bins, slot_dir
 from tests.support.router import start_router, worker_spawner
 from tests.support.sim_process import sim_factory, sim_spawner
-from tests.support.vllm import vllm_early
 
 __all__ = [
     "bins",
@@ -19,7 +18,6 @@ __all__ = [
     "sim_spawner",
     "slot_dir",
     "start_router",
-    "vllm_early",
     "worker_spawner",
 ]
 

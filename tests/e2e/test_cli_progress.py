@@ -71,7 +71,9 @@ async def test_drain_wait_follows_the_engine_until_nothing_is_in_flight(
     sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     rr, _ = await _router(sim_factory, start_router)
-    body = {"model": "demo-model", "prompt": "long", "max_tokens": 60, "stream": True}
+    # 3 s of stream: the CLI, a new interpreter, must see it in flight (1.2 s was once too
+    # short for its start on a loaded machine).
+    body = {"model": "demo-model", "prompt": "long", "max_tokens": 150, "stream": True}
     async with http.post(rr.url + "/v1/completions", json=body) as stream:
         await stream.content.readuntil(b"\n\n")  # in flight on d0
         drain = asyncio.create_task(narwhal("--url", rr.url, "drain", "d0", "--wait"))

@@ -33,15 +33,7 @@ from narwhal.engine.vllm import parse_generation
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
-from tests.support.vllm import (
-    MODEL_ALIAS,
-    EarlyPair,
-    VllmInstall,
-    VllmPair,
-    VllmServer,
-    prime_handoff,
-    vllm,
-)
+from tests.support.vllm import MODEL_ALIAS, VllmInstall, VllmServer, prime_handoff, vllm
 
 __all__ = ["vllm"]  # the session fixture, used by this module's fixtures
 
@@ -60,6 +52,8 @@ SECTIONS: dict[str, Any] = {
     "controller": {"monitor_interval_s": 0.5},
 }
 PROMPT = "Once upon a time in a land far away there lived a king who had three daughters. The"
+# The prefill engine's KV cache: small, so a few prompts evict blocks (BlockRemoved).
+PREFILL_KV_BYTES = 48 << 20  # 256 blocks of 32 tokens in float32
 BLOCK_STORED_KEYS = {
     "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
     "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
@@ -67,19 +61,29 @@ BLOCK_STORED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def servers(
-    vllm_early: EarlyPair, vllm: VllmInstall, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmPair]:
-    """The prefill and decode vLLM that `vllm_early` started at the session's start (here
-    if it did not), ready and primed; stopped when the module ends."""
-    pair = vllm_early.take() or VllmPair.start(vllm, tmp_path_factory.mktemp("vllm"))
+def servers(vllm: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """A prefill and a decode vLLM, started together (each takes about a minute here)."""
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    prefill = VllmServer(
+        vllm, logs / "prefill.log", kv_role="kv_producer", kv_cache_bytes=PREFILL_KV_BYTES
+    )
+    decode = VllmServer(vllm, logs / "decode.log", kv_role="kv_consumer")
     try:
-        pair.prefill.wait_ready()
-        pair.decode.wait_ready()
-        prime_handoff(pair.prefill, pair.decode)
-        yield pair
+        prefill.start()
+        decode.start()
+        prefill.wait_ready()
+        decode.wait_ready()
+        prime_handoff(prefill, decode)
+        yield Servers(prefill, decode)
     finally:
-        pair.stop()
+        prefill.stop()
+        decode.stop()
+
+
+class Servers:
+    def __init__(self, prefill: VllmServer, decode: VllmServer) -> None:
+        self.prefill = prefill
+        self.decode = decode
 
 
 def unique(text: str) -> str:
@@ -87,7 +91,7 @@ def unique(text: str) -> str:
     return f"[{uuid.uuid4().hex[:8]}] {text}"
 
 
-async def pd_router(start_router: StartRouter, servers: VllmPair) -> RunningRouter:
+async def pd_router(start_router: StartRouter, servers: Servers) -> RunningRouter:
     rr = await start_router(
         [
             {"id": "p1", "url": servers.prefill.url, "role": "prefill"},
@@ -123,7 +127,7 @@ def by_source(metrics: str, source: str) -> float:
 
 
 async def test_models_tokenize_and_metrics_through_narwhal(
-    start_router: StartRouter, servers: VllmPair, http: aiohttp.ClientSession
+    start_router: StartRouter, servers: Servers, http: aiohttp.ClientSession
 ) -> None:
     rr = await pd_router(start_router, servers)
     client = openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="unused", max_retries=0)
@@ -172,7 +176,7 @@ async def test_models_tokenize_and_metrics_through_narwhal(
 
 
 async def test_pd_over_nixl_through_narwhal_equals_unified(
-    start_router: StartRouter, servers: VllmPair, http: aiohttp.ClientSession
+    start_router: StartRouter, servers: Servers, http: aiohttp.ClientSession
 ) -> None:
     pd = await pd_router(start_router, servers)
     unified = await unified_router(start_router, servers.prefill)
@@ -224,7 +228,7 @@ async def test_pd_over_nixl_through_narwhal_equals_unified(
 
 
 async def test_return_token_ids_through_narwhal(
-    start_router: StartRouter, servers: VllmPair, http: aiohttp.ClientSession
+    start_router: StartRouter, servers: Servers, http: aiohttp.ClientSession
 ) -> None:
     """What migration reads: the prompt's ids in the first chunk, each chunk's `token_ids`."""
     rr = await pd_router(start_router, servers)
@@ -332,7 +336,7 @@ async def subscribed(http: aiohttp.ClientSession, sub: Subscriber, url: str) -> 
 
 
 async def test_kv_events_wire_format(
-    servers: VllmPair, http: aiohttp.ClientSession, zctx: zmq.asyncio.Context
+    servers: Servers, http: aiohttp.ClientSession, zctx: zmq.asyncio.Context
 ) -> None:
     prefill = servers.prefill
     sub = Subscriber(zctx, prefill.events_url)
@@ -434,7 +438,7 @@ async def test_kv_events_wire_format(
 
 async def test_kv_events_of_a_pd_handoff(
     start_router: StartRouter,
-    servers: VllmPair,
+    servers: Servers,
     http: aiohttp.ClientSession,
     zctx: zmq.asyncio.Context,
 ) -> None:
@@ -463,7 +467,7 @@ async def test_kv_events_of_a_pd_handoff(
 
 async def test_kv_events_place_a_prompt_on_the_vllm_engine_that_holds_its_prefix(
     start_router: StartRouter,
-    servers: VllmPair,
+    servers: Servers,
     vllm: VllmInstall,
     http: aiohttp.ClientSession,
 ) -> None:

@@ -6,10 +6,6 @@ ports it picks, with prefix caching, KV events on ZMQ (PUB bound on `tcp://*:{ev
 replay ROUTER on `tcp://127.0.0.1:{replay_port}`) and, unless told otherwise, the NixlConnector
 with a CPU KV buffer, so two of them hand a prompt's KV over from prefill to decode.
 `prime_handoff` makes a pair's first NIXL handshake before a test depends on it.
-
-`vllm_early` starts the end-to-end module's prefill and decode servers before the session's
-first test when a vLLM test is selected: each takes one to two minutes of CPU to start, which
-then overlaps the tests before that module instead of adding to the suite's time.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +27,6 @@ from tests.support.etcd import unassigned_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_ALIAS = "demo-model"
-# The prefill engine's KV cache: small, so a few prompts evict blocks (BlockRemoved).
-PREFILL_KV_BYTES = 48 << 20  # 256 blocks of 32 tokens in float32
 
 
 @dataclass(frozen=True)
@@ -245,58 +238,3 @@ def prime_handoff(prefill: VllmServer, decode: VllmServer, attempts: int = 3) ->
         if status == 200:
             return attempt
     raise AssertionError(f"no prefill->decode handoff in {attempts} attempts: {answer}")
-
-
-@dataclass(frozen=True)
-class VllmPair:
-    """The end-to-end module's prefill (a small KV cache) and decode servers."""
-
-    prefill: VllmServer
-    decode: VllmServer
-
-    @classmethod
-    def start(cls, install: VllmInstall, logs: Path) -> VllmPair:
-        prefill = VllmServer(
-            install, logs / "prefill.log", kv_role="kv_producer", kv_cache_bytes=PREFILL_KV_BYTES
-        )
-        decode = VllmServer(install, logs / "decode.log", kv_role="kv_consumer")
-        pair = cls(prefill, decode)
-        try:
-            prefill.start()
-            decode.start()
-        except BaseException:
-            pair.stop()
-            raise
-        return pair
-
-    def stop(self) -> None:
-        self.prefill.stop()
-        self.decode.stop()
-
-
-class EarlyPair:
-    """The pair `vllm_early` started, for the module fixture to take (it then stops it)."""
-
-    def __init__(self, pair: VllmPair | None) -> None:
-        self._pair = pair
-
-    def take(self) -> VllmPair | None:
-        pair, self._pair = self._pair, None
-        return pair
-
-
-@pytest.fixture(scope="session", autouse=True)
-def vllm_early(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EarlyPair]:
-    """Start the pair before the session's first test if any selected test is marked `vllm`
-    (a cold machine installs vLLM here first, which it would otherwise do at the module);
-    stop it at the session's end if its module never took it."""
-    selected = any(item.get_closest_marker("vllm") for item in request.session.items)
-    early = EarlyPair(
-        VllmPair.start(vllm_install(), tmp_path_factory.mktemp("vllm")) if selected else None
-    )
-    yield early
-    pair = early.take()
-    if pair is not None:
-        pair.stop()
