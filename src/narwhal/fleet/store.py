@@ -162,9 +162,10 @@ class Fleet:
             and e.verified
             and e.ejected is None
             and e.leaving is None
-            and not any(h.name not in SOFT_HOLDS for h in e.active_holds(now))
+            and (not e.holds or not any(h.name not in SOFT_HOLDS for h in e.active_holds(now)))
         ]
-        free = [e for e in base if not e.active_holds(now)]
+        # Most engines have no hold at all: no list built for them on each request.
+        free = [e for e in base if not e.holds or not e.active_holds(now)]
         chosen = free or base
         return [Candidate(e.id, self.in_flight.of(e.id)) for e in chosen]
 

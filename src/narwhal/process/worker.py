@@ -317,10 +317,33 @@ async def _main(channel_fd: int, table_fd: int, index: int) -> int:
 def _use_multiprocess_metrics(ident: str) -> None:
     """Count the data plane's metrics in files under `PROMETHEUS_MULTIPROC_DIR`, which the
     control process sums at each scrape; they outlive a crash of this worker. Must run
-    before any metric exists; `ident` names this worker's files (no getpid per update)."""
+    before any metric exists; `ident` names this worker's files (no getpid per update).
+
+    Each update writes the file at once, as prometheus_client's own value does, without its
+    lock and its fork check: a worker updates metrics only from its event loop's thread and
+    forks nothing (the zygote forked it before any metric existed). A request makes about
+    eight updates (counters, and a histogram's sum and bucket), each of which took the lock and
+    called the fork check (docs/performance-log.md)."""
     from prometheus_client import values
 
-    values.ValueClass = values.MultiProcessValue(lambda: ident)  # type: ignore[no-untyped-call]
+    base: Any = values.MultiProcessValue(lambda: ident)  # type: ignore[no-untyped-call]
+
+    class WorkerValue(base):  # type: ignore[misc]
+        def inc(self, amount: float) -> None:
+            self._value += amount
+            self._timestamp = 0.0
+            self._file.write_value(self._key, self._value, 0.0)
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            self._value = value
+            self._timestamp = timestamp or 0.0
+            self._file.write_value(self._key, value, self._timestamp)
+
+        def get(self) -> float:
+            value: float = self._value
+            return value
+
+    values.ValueClass = WorkerValue
 
 
 def main(argv: list[str] | None = None) -> int:
