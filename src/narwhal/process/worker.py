@@ -323,7 +323,9 @@ def _use_multiprocess_metrics(ident: str) -> None:
     lock and its fork check: a worker updates metrics only from its event loop's thread and
     forks nothing (the zygote forked it before any metric existed). A request makes about
     eight updates (counters, and a histogram's sum and bucket), each of which took the lock and
-    called the fork check (docs/performance-log.md)."""
+    called the fork check (docs/performance-log.md). It reads prometheus_client's value
+    internals (`_value`, `_file`, `_key`), pinned by the lock file; the worker-metrics tests
+    fail if a new version moves them."""
     from prometheus_client import values
 
     base: Any = values.MultiProcessValue(lambda: ident)  # type: ignore[no-untyped-call]
