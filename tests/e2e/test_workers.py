@@ -304,11 +304,21 @@ async def test_max_connections_bounds_the_routers_open_sockets_idle_ones_include
                         *(_read(s, rr.url + "/v1/completions", stream) for s in wave)
                     )
                 assert all(b.rstrip().endswith(b"data: [DONE]") for b in bodies), bodies
+                # A client reads `[DONE]` a moment before its worker frees the request's data
+                # connection; the next wave, at the bound, would be `saturated` meanwhile.
+                await eventually(lambda: _all_free(rr.url), what="the wave's connections freed")
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
     assert samples > 50
     assert peak <= limit + control, f"{peak} sockets open to the engines"
+
+
+async def _all_free(url: str) -> bool:
+    """Whether no data connection is in use, router-wide (the workers' gauges summed)."""
+    async with aiohttp.ClientSession() as http:
+        text = await _metrics(http, url)
+        return metric_sum(text, "narwhal_pool_connections_in_use", pool="data") == 0
 
 
 async def _read(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
