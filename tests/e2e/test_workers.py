@@ -315,7 +315,8 @@ async def test_max_connections_bounds_the_routers_open_sockets_idle_ones_include
 
 
 async def _all_free(url: str) -> bool:
-    """Whether no data connection is in use, router-wide (the workers' gauges summed)."""
+    """Whether no data connection is in use, router-wide (the control process reads every
+    worker's count from the shared table at scrape time)."""
     async with aiohttp.ClientSession() as http:
         text = await _metrics(http, url)
         return metric_sum(text, "narwhal_pool_connections_in_use", pool="data") == 0
