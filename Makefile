@@ -56,22 +56,26 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-# The slowest tests are listed at the end, so CI's log shows where the suite's time goes
-# (docs/testing.md).
+# The suite in two processes (pytest-xdist, a module per process at a time), then the real vLLM
+# module alone: an idle vLLM with the NixlConnector keeps cores busy and starves whatever runs
+# beside it. The slowest tests are listed at the end of each, so CI's log shows where the
+# suite's time goes (docs/testing.md).
+XDIST := -n 2 --dist loadfile
 pytest: $(STAMP) system-deps
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q $(XDIST) --durations=25 -m 'not vllm'
+	$(BIN)/pytest -q --durations=5 -m vllm
 
 # The data-plane, failure, migration, embeddings and OpenAI-surface scenarios again with one
 # process (the default is a control process and one worker per CPU): both modes stay covered
 # (docs/testing.md, "Workers in the tests").
 pytest-single: $(STAMP) system-deps
-	NARWHAL_TEST_WORKERS=1 $(BIN)/pytest -q -m 'not llama' tests/e2e/test_dataplane_*.py tests/e2e/test_failures_*.py tests/e2e/test_migration.py tests/e2e/test_embeddings.py tests/e2e/test_openai_surface.py
+	NARWHAL_TEST_WORKERS=1 $(BIN)/pytest -q $(XDIST) -m 'not llama' tests/e2e/test_dataplane_*.py tests/e2e/test_failures_*.py tests/e2e/test_migration.py tests/e2e/test_embeddings.py tests/e2e/test_openai_surface.py
 
 test: lint typecheck pytest pytest-single
 
 # Local loop: skips the slow end-to-end scenarios and the real engines (CI runs everything).
 test-fast: $(STAMP) system-deps
-	$(BIN)/pytest -q -m 'not slow and not llama and not vllm'
+	$(BIN)/pytest -q $(XDIST) -m 'not slow and not llama and not vllm'
 
 # Benchmarks (docs/benchmarks.md): full run (~50 min on 2 cores, llama, floor_ab, router_bound, cache and flow suites included) and a quick smoke (< 1 min).
 bench: $(STAMP)

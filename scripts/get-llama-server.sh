@@ -9,6 +9,9 @@ LLAMA_PY_VERSION="${LLAMA_PY_VERSION:-0.3.36}"   # the llama-cpp-python sdist wh
 # Its sha256, pinned; with another LLAMA_PY_VERSION give LLAMA_PY_SHA256 as well.
 LLAMA_PY_SHA256="${LLAMA_PY_SHA256:-832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e}"
 mkdir -p "$CACHE"
+# One build at a time: the test suite runs in several processes that may all ask at once.
+exec 9>"$CACHE/.get-llama-server.lock"
+flock 9
 BIN="$CACHE/llama.cpp/bin/llama-server"
 MODEL_DIR="$CACHE/models"
 MODEL="$MODEL_DIR/gemma-3-270m-q4_k_m.gguf"

