@@ -38,6 +38,7 @@ from bench.suites import (
     overhead,
     profile,
     router_bound,
+    router_wrk,
     soak,
     streams,
 )
@@ -57,6 +58,7 @@ SUITES: dict[str, Suite] = {
     "router_bound": router_bound.run,
     "cache": cache.run,
     "flow": flow.run,
+    "router_wrk": router_wrk.run,
 }
 
 

@@ -95,6 +95,19 @@ class Mode:
     flow_s: float = 60.0
     flow_unloaded_s: float = 10.0
     flow_max_wait_s: int = 5  # Narwhal's flow.max_wait_s, the peers' --queue-timeout-secs
+    # router-bound measured with wrk (bench.suites.router_wrk; part of full mode): mock engines
+    # that answer at once, each target x 2 stream modes x each concurrency x reps rounds of a
+    # 1 s warm-up and `router_wrk_s` measured: 5 x 2 x 1 x 3 x ~6.5 s, ~3.5 min
+    router_wrk_targets: tuple[str, ...] = (
+        "narwhal-w1",
+        "narwhal-wauto",
+        "vllm-router",
+        "sglang-router",
+        "floor-raw",
+    )
+    router_wrk_c: tuple[int, ...] = (64,)
+    router_wrk_s: float = 5.0  # seconds per measured run (wrk's -d, whole seconds)
+    router_wrk_reps: int = 3
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")
@@ -144,6 +157,9 @@ MODES = {
         flow_s=4.0,
         flow_unloaded_s=2.0,
         flow_max_wait_s=1,
+        router_wrk_c=(8,),
+        router_wrk_s=2.0,
+        router_wrk_reps=1,
     ),
     "full": Mode(
         name="full",
@@ -180,6 +196,7 @@ MODES = {
             "router_bound",
             "cache",
             "flow",
+            "router_wrk",
         ),
     ),
 }
