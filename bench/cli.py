@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
         "--reps",
         type=int,
         metavar="N",
-        help="router_bound: rounds per cell, medians over them (default: the mode's, 3); an "
+        help="router_bound and router_wrk: rounds per cell, medians over them (default: the "
+        "mode's, 3); an "
         "A/B of a few percent needs more than the default against this machine's noise",
     )
     p.add_argument(
@@ -157,7 +158,7 @@ async def _main(args: argparse.Namespace) -> int:
     if args.edge_twins is not None:
         mode = replace(mode, router_bound_edge=args.edge_twins)
     if args.reps is not None:
-        mode = replace(mode, router_bound_reps=args.reps)
+        mode = replace(mode, router_bound_reps=args.reps, router_wrk_reps=args.reps)
     results_dir, work = _prepare(args.results, mode.name)
     started = time.time()
     if args.no_peers:

@@ -97,7 +97,7 @@ class Mode:
     flow_max_wait_s: int = 5  # Narwhal's flow.max_wait_s, the peers' --queue-timeout-secs
     # router-bound measured with wrk (bench.suites.router_wrk; part of full mode): mock engines
     # that answer at once, each target x 2 stream modes x each concurrency x reps rounds of a
-    # 1 s warm-up and `router_wrk_s` measured: 5 x 2 x 1 x 3 x ~6.5 s, ~3.5 min
+    # 1 s warm-up and `router_wrk_s` measured: 5 x 2 x 2 x 3 x ~6.5 s, ~7 min
     router_wrk_targets: tuple[str, ...] = (
         "narwhal-w1",
         "narwhal-wauto",
@@ -105,7 +105,7 @@ class Mode:
         "sglang-router",
         "floor-raw",
     )
-    router_wrk_c: tuple[int, ...] = (64,)
+    router_wrk_c: tuple[int, ...] = (64, 256)  # issue 32's cells
     router_wrk_s: float = 5.0  # seconds per measured run (wrk's -d, whole seconds)
     router_wrk_reps: int = 3
 
