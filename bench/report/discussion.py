@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.context import PEER_KINDS
-from bench.report import router_bound
+from bench.report import router_bound, router_wrk
 from bench.report.fmt import is_peer
 from bench.report.overhead import paired_added, point
 
@@ -284,6 +284,7 @@ def render(doc: dict[str, Any]) -> str:
         ("Faults", _faults(suites.get("faults") or {})),
         ("Control plane", _control(suites.get("control") or {}, 1.0)),
         ("Router-bound, with workers", router_bound.behind(suites.get("router_bound") or {})),
+        ("Router-bound, under wrk", router_wrk.behind(suites.get("router_wrk") or {})),
     ]
     out = []
     for title, items in sections:

@@ -43,6 +43,45 @@ def cpu_ratio(suite: dict[str, Any], target: str, peer: str, stream: str, c: int
     return x / y if y and not math.isnan(x) and not math.isnan(y) else math.nan
 
 
+INTERIM = 1.5  # issue 32: CPU per request at most 1.5x the cheaper peer's for now
+FLOOR = "floor-raw"
+FLOOR_TARGET = 1.5  # issue 32: at most 1.5x the raw floor's
+
+
+def against(suite: dict[str, Any], target: str, others: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per cell, `target`'s CPU per request ÷ the cheapest of `others` that ran there (the
+    harder comparison), with that one's name; cells where none ran are left out."""
+    out = []
+    for stream, c in _cells(suite):
+        ratios = [(cpu_ratio(suite, target, o, stream, c), o) for o in others]
+        ratios = [(x, o) for x, o in ratios if not math.isnan(x)]
+        if point(suite, target, stream, c) is None or not ratios:
+            continue
+        x, o = max(ratios)  # the largest ratio is against the cheapest router
+        out.append({"stream": stream, "c": c, "ratio": x, "vs": o})
+    return out
+
+
+def behind(suite: dict[str, Any]) -> list[str]:
+    """For *Where Narwhal is behind*: each cell where a Narwhal target spends more CPU per
+    request under wrk than the cheaper peer, or more than 1.5x the raw floor's."""
+    out = []
+    for target in narwhal_targets(suite):
+        for t in against(suite, target, PEERS):
+            if t["ratio"] > 1:
+                out.append(
+                    f"{MODES[t['stream']]} c={t['c']} under wrk: {target} spends "
+                    f"{t['ratio']:.2f}x {t['vs']}'s CPU per request."
+                )
+        for t in against(suite, target, (FLOOR,)):
+            if t["ratio"] > FLOOR_TARGET:
+                out.append(
+                    f"{MODES[t['stream']]} c={t['c']} under wrk: {target} spends "
+                    f"{t['ratio']:.2f}x {FLOOR}'s CPU per request (target {FLOOR_TARGET}x)."
+                )
+    return out
+
+
 def _x(v: float) -> str:
     return "-" if math.isnan(v) else f"{v:.2f}x"
 

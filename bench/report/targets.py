@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.report import router_bound as rb
+from bench.report import router_wrk as rw
 from bench.report.fmt import table
 from bench.report.overhead import paired_added, point
 
@@ -221,6 +222,31 @@ def prefix_cpu(suites: dict[str, Any]) -> list[Verdict]:
     return [Verdict(name, text, all(t["cpu_x"] <= PREFIX_CPU_TARGET for t in cells))]
 
 
+def router_wrk(suites: dict[str, Any]) -> list[Verdict]:
+    """Issue 32, under wrk: each Narwhal target's CPU per request against the cheaper peer's
+    (at most 1x; interim 1.5x) and the raw floor's (at most 1.5x), every cell; no rows when
+    the suite did not run."""
+    suite = suites.get("router_wrk") or {}
+    out = []
+    for target in rw.narwhal_targets(suite):
+        peers = rw.against(suite, target, rw.PEERS)
+        if peers:
+            text = "; ".join(
+                f"{rw.MODES[t['stream']]} c={t['c']} {t['ratio']:.2f}x {t['vs']}" for t in peers
+            )
+            worst = max(t["ratio"] for t in peers)
+            if worst > 1 and worst <= rw.INTERIM:
+                text += f"; the interim {rw.INTERIM}x is met"
+            name = f"Under wrk ({target}): CPU per request ≤ the cheaper peer's, every cell"
+            out.append(Verdict(name, text, worst <= 1))
+        floor = rw.against(suite, target, (rw.FLOOR,))
+        if floor:
+            text = "; ".join(f"{rw.MODES[t['stream']]} c={t['c']} {t['ratio']:.2f}x" for t in floor)
+            name = f"Under wrk ({target}): CPU per request ≤ {rw.FLOOR_TARGET}x {rw.FLOOR}'s"
+            out.append(Verdict(name, text, all(t["ratio"] <= rw.FLOOR_TARGET for t in floor)))
+    return out
+
+
 def verdicts(suites: dict[str, Any]) -> list[Verdict]:
     return [
         throughput(suites),
@@ -230,6 +256,7 @@ def verdicts(suites: dict[str, Any]) -> list[Verdict]:
         *faults(suites),
         *router_bound(suites),
         *prefix_cpu(suites),
+        *router_wrk(suites),
     ]
 
 

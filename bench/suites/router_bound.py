@@ -510,7 +510,7 @@ def medians(samples: list[dict[str, Any]], targets: list[str]) -> list[dict[str,
             if not rows:
                 continue
             point: dict[str, Any] = {m: median(float(r[m]) for r in rows) for m in METRICS}
-            roles = sorted({role for r in rows for role in r["procs"]}, key=_role_order)
+            roles = sorted({role for r in rows for role in r["procs"]}, key=role_order)
             point["procs"] = {
                 role: {
                     key: median(float(r["procs"][role][key]) for r in rows if role in r["procs"])
@@ -528,7 +528,7 @@ def medians(samples: list[dict[str, Any]], targets: list[str]) -> list[dict[str,
     return out
 
 
-def _role_order(role: str) -> tuple[int, int, str]:
+def role_order(role: str) -> tuple[int, int, str]:
     """control / router first, then workers by index, then anything else."""
     if role in ("control", "router"):
         return (0, 0, role)

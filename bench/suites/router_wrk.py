@@ -30,7 +30,7 @@ from bench.procs import Proc, free_port, spawn
 from bench.routers import Engines, Running
 from bench.stats import median
 from bench.suites.common import start_routers
-from bench.suites.router_bound import NARWHAL, TreeSample, sample, spent
+from bench.suites.router_bound import NARWHAL, TreeSample, role_order, sample, spent
 
 MAX_TOKENS = 8
 PROMPT_WORDS = 32
@@ -344,16 +344,6 @@ def per_request(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     if not total:
         return {}
     return {role: {k: n / total for k, n in kinds.items()} for role, kinds in sums.items()}
-
-
-def role_order(role: str) -> tuple[int, int, str]:
-    """control / router first, then the workers by index, then anything else."""
-    if role in ("control", "router"):
-        return (0, 0, role)
-    head, _, index = role.partition(" ")
-    if head == "worker" and index.isdigit():
-        return (1, int(index), role)
-    return (2, 0, role)
 
 
 def medians(samples: list[dict[str, Any]], targets: list[str]) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from bench import wrk
 from bench.mock_engine import MockEngine
 from bench.procs import free_port
 from bench.report import router_wrk as report
+from bench.report import targets
 from bench.routers import Engines, RouterSpec, start_router
 from bench.suites.router_wrk import broken, failed_row, medians, row
 
@@ -354,3 +355,27 @@ def test_a_suite_that_could_not_run_says_why() -> None:
     assert report.render({"skipped": "wrk could not be installed"}) == (
         "Not run: wrk could not be installed."
     )
+
+
+def test_targets_judge_narwhal_against_the_cheaper_peer_and_the_floor() -> None:
+    targets_ = ["narwhal-wauto", "vllm-router", "sglang-router", "floor-raw"]
+    samples = [
+        _row("narwhal-wauto", _run(2000), 1.0),  # 500 CPU-ms / 1k
+        _row("vllm-router", _run(1000), 0.6),  # 600
+        _row("sglang-router", _run(1000), 0.4),  # 400: the cheaper peer
+        _row("floor-raw", _run(1000), 0.1),  # 100
+    ]
+    suites = {"router_wrk": _suite(samples, targets_)}
+    (peers, floor) = targets.router_wrk(suites)
+    assert peers.met is False and "json c=64 1.25x sglang-router" in peers.measured
+    assert "the interim 1.5x is met" in peers.measured
+    assert floor.met is False and "json c=64 5.00x" in floor.measured
+    assert report.behind(suites["router_wrk"]) == [
+        "json c=64 under wrk: narwhal-wauto spends 1.25x sglang-router's CPU per request.",
+        "json c=64 under wrk: narwhal-wauto spends 5.00x floor-raw's CPU per request "
+        "(target 1.5x).",
+    ]
+    cheaper = [_row("narwhal-wauto", _run(2000), 0.6), *samples[1:]]  # 300: below both
+    (peers, _) = targets.router_wrk({"router_wrk": _suite(cheaper, targets_)})
+    assert peers.met is True
+    assert targets.router_wrk({}) == []
