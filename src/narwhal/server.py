@@ -714,7 +714,7 @@ class Router:
             log.info("narwhal listening on http://%s:%s", host, bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
-                tg.create_task(watch_loop_lag(self.metrics.loop_lag))
+                tg.create_task(watch_loop_lag(self.metrics.loop_lag, self.metrics.loop_stall))
                 # Cache-aware placement's index: followed here in every mode (a standby's is
                 # warm at takeover; with workers it explains decisions for /admin).
                 interval_s = self.config.placement.metrics_interval_s

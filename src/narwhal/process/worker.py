@@ -256,7 +256,7 @@ class Worker:
             await server.start(host, port, self._tls)
             self.channel.send_event(Ready(os.getpid()))
             async with asyncio.TaskGroup() as tg:
-                lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag))
+                lag = tg.create_task(watch_loop_lag(self.metrics.loop_lag, self.metrics.loop_stall))
                 stats = tg.create_task(self.ship_stats())
                 interval_s = self.config.placement.metrics_interval_s
                 prefix = tg.create_task(self.dataplane.prefix.run(lambda: self.fleet, interval_s))

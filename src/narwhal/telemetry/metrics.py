@@ -175,6 +175,13 @@ class DataMetrics:
             registry=r,
             buckets=LAG_BUCKETS_S,
         )
+        self.loop_stall = Histogram(
+            "narwhal_event_loop_stall_seconds",
+            "How late the router's event loop ran a due wake-up, less the time its thread "
+            "waited for a CPU: the router's own stalls, without a starved host's",
+            registry=r,
+            buckets=LAG_BUCKETS_S,
+        )
 
 
 class WorkerFiles:
@@ -290,6 +297,7 @@ class Metrics:
         self.retries = d.retries
         self.token_checks = d.token_checks
         self.loop_lag = d.loop_lag
+        self.loop_stall = d.loop_stall
         self.render_data: Callable[[], bytes] = lambda: generate_latest(self.data.registry)
         r = self.registry = CollectorRegistry(auto_describe=True)
         # The standard collectors: this process's CPU, memory, file descriptors and start
