@@ -140,7 +140,7 @@ async def test_compaction_keeps_etcd_under_its_quota(
     first_revision = int(small_etcd.status()["header"]["revision"])
 
     started = time.monotonic()
-    samples = await drive(small_etcd, active.router, WRITES, timeout_s=45)
+    samples = await drive(small_etcd, active.router, WRITES, timeout_s=120)
     elapsed = time.monotonic() - started
     doc_bytes = len(small_etcd.get(key + "/handoff") or b"")
     sizes = [size for _, size in samples.sizes]
@@ -188,7 +188,7 @@ async def test_without_compaction_the_same_writes_fill_the_quota(
     active = await start(small_etcd, tmp_path, key, "router-a", False, compaction_interval_s=0)
     routers.append(active)
     assert active.router.compactor is None
-    samples = await drive(small_etcd, active.router, WRITES, timeout_s=45)
+    samples = await drive(small_etcd, active.router, WRITES, timeout_s=120)
     print(f"\nNO COMPACTION writes={active.router.handoff.writes} sizes={samples.sizes[-1]}")
     assert samples.alarms == {"NOSPACE"}
     assert active.router.handoff.writes < WRITES
