@@ -39,7 +39,7 @@ make bench-quick    # quick mode: bench-results/quick.md (under a minute once se
 .venv/bin/python -m bench --mode full --suites router_bound --no-peers --workers-sweep auto \\
     --bounded-twin none --edge-twins auth,access,prefix,flow \\
     --report bench-results/rb-edge.md --results bench-results/rb-edge
-# the router-bound suite again with wrk in front of mock engines that answer at once (~3.5 min):
+# the router-bound suite again with wrk in front of mock engines that answer at once (~7 min):
 .venv/bin/python -m bench --mode full --suites router_wrk \\
     --report bench-results/router_wrk.md --results bench-results/router_wrk
 ```
@@ -75,16 +75,16 @@ to download one.
   per engine id. It timestamps every client request passing to an engine (the load generator's
   prompts carry a marker; probes and health checks do not) and resets the router's connection
   when the engine behind it refuses or drops one, as a dead process would.
-- **wrk and the mock engines** (router_wrk suite): `wrk -t1 -c64 -d5s --latency` (Debian's
-  `wrk`, installed with apt-get when missing, as `make system-deps` installs packages; without
-  it the suite is recorded as not run) sends one fixed completion (`max_tokens` 8, a 32-word
-  prompt, set by a Lua script written into the work directory) to each router in front of one
-  prefill and one decode `python -m bench.mock_engine`: an aiohttp app that answers at once
-  from pre-built bytes (a prefill leg gets a NixlConnector handoff, any other leg `max_tokens`
-  tokens, SSE or JSON), with no KV store or side channel, and that counts what each router asks
-  of it (`/mock/stats`: vllm-router asks `/tokenize` and `/v1/completions/render` before each
-  leg, which the mock answers 404). CPU of the router's tree, of both engines and of wrk (from
-  `wait4`) per 1,000 completed requests; a run where most requests failed is flagged.
+- **wrk and the mock engines** (router_wrk suite): `wrk -t1 -c64 -d5s --latency`, then `-c256`
+  (Debian's `wrk`, installed with apt-get when missing, as `make system-deps` installs packages;
+  without it the suite is recorded as not run) sends one fixed completion (`max_tokens` 8, a
+  32-word prompt, set by a Lua script written into the work directory) to each router in front
+  of one prefill and one decode `python -m bench.mock_engine`: an aiohttp app that answers at
+  once from pre-built bytes (a prefill leg gets a NixlConnector handoff, any other leg
+  `max_tokens` tokens, SSE or JSON), with no KV store or side channel, and that counts what each
+  router asks of it (`/mock/stats`: vllm-router asks `/tokenize` and `/v1/completions/render`
+  before each leg, which the mock answers 404). CPU of the router's tree, of both engines and of
+  wrk (from `wait4`) per 1,000 completed requests; a run where most requests failed is flagged.
 - **Router CPU and memory**: `utime + stime` of the router process (all threads) from
   `/proc/<pid>/stat` before and after each run; peak memory is `VmHWM` from
   `/proc/<pid>/status`, reset before each run (`echo 5 > /proc/<pid>/clear_refs`), so it is the
