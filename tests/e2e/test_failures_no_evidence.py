@@ -101,7 +101,14 @@ async def test_router_overload_never_ejects_a_healthy_engine(
     await eventually(lambda: rr.router.monitor.status.passes >= 1, what="the first pass")
     before = sum_metric(await get_metrics(http, rr), "narwhal_health_checks_total", result="ok")
 
+    async def all_free() -> bool:
+        text = await get_metrics(http, rr)
+        return sum_metric(text, "narwhal_pool_connections_in_use", pool="data") == 0
+
     for _ in range(3):
+        # A client reads `[DONE]` a moment before the router frees the request's data
+        # connection: a round started meanwhile would find the pool full and serve nothing.
+        await eventually(all_free, what="the last round's data connections freed")
         results = await asyncio.gather(
             *(complete(http, rr, stream=True, max_tokens=20) for _ in range(40))
         )
