@@ -221,7 +221,10 @@ async def test_a_router_that_stops_admitting_answers_every_waiting_request_503_a
     tasks = [asyncio.create_task(_post(http, rr.url, _body(f"r{i}"))) for i in range(6)]
     await eventually(lambda: state.waiting() == 5, what="five waiting")
     closed_at = time.monotonic()
-    rr.router.admission.close("monitor", "degraded: test")
+    # Closed under an owner of the test's own: closed as "monitor", the monitor's next pass
+    # (healthy engines) reopened it, and on a loaded machine that pass could come before the
+    # queue's next tick, which then found admission open and served all five.
+    rr.router.admission.close("test", "degraded: test")
     answers = await asyncio.gather(*tasks)
     refused = [a for a in answers if a[0] == 503]
     assert len(refused) == 5 and sum(a[0] == 200 for a in answers) == 1
