@@ -191,8 +191,8 @@ class Http:
             return None
         return json.loads(answer[1])
 
-    async def lease(self, router: RouterProcess) -> dict[str, Any] | None:
-        result: dict[str, Any] | None = await self.json(router, "/admin/lease")
+    async def lease(self, router: RouterProcess, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        result: dict[str, Any] | None = await self.json(router, "/admin/lease", timeout_s)
         return result
 
     async def close(self) -> None:
@@ -581,7 +581,10 @@ async def _degrade_active_until_takeover(pair: Pair) -> Takeover:
 
     async def follow_b() -> None:
         while True:
-            lease_b = await http.lease(b)
+            # A dense trace: a slow answer is dropped and the next poll, on a new connection
+            # (perhaps to the other worker), asked 20 ms later; waiting out one answer of
+            # 0.85 s once lost the threshold's intermediate counts.
+            lease_b = await http.lease(b, timeout_s=0.3)
             if lease_b is not None:
                 trace.append((time.monotonic(), lease_b["active_failures"], lease_b["epoch"]))
             await asyncio.sleep(0.02)

@@ -25,9 +25,9 @@ LAG_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def run_queue_wait_s() -> float | None:
-    """How long the calling thread has waited, runnable, for a CPU since it started (the
-    kernel's schedstat, in nanoseconds); None where the kernel does not keep it. A procfs
-    read answers from memory: it never waits on a device."""
+    """How long, in seconds, the calling thread has waited, runnable, for a CPU since it
+    started (the kernel's schedstat counts nanoseconds); None where the kernel does not keep
+    it. A procfs read answers from memory: it never waits on a device."""
     try:
         with open("/proc/thread-self/schedstat", "rb") as f:
             return int(f.read().split()[1]) / 1e9
