@@ -38,7 +38,7 @@ def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, 
     )
 
 
-def _cells(suite: dict[str, Any]) -> list[tuple[str, int]]:
+def cells(suite: dict[str, Any]) -> list[tuple[str, int]]:
     return sorted({(m["stream"], m["c"]) for m in suite.get("medians", [])})
 
 
@@ -108,7 +108,7 @@ def target_cells(suite: dict[str, Any]) -> list[dict[str, Any]]:
     if name is None:
         return []
     out = []
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         got = versus_base(suite, name, stream, c)
         p = point(suite, name, stream, c)
         if got is None or p is None:
@@ -140,7 +140,7 @@ def _verdict(met: bool, interim: bool | None = None) -> str:
 
 def _per_cell(suite: dict[str, Any]) -> str:
     rows = []
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         for target in suite["targets"]:
             p = point(suite, target, stream, c)
             if p is None:
@@ -229,7 +229,7 @@ def bounded_cells(suite: dict[str, Any]) -> list[dict[str, Any]]:
     ratios bounded ÷ single_attempt of req/s, CPU per request and p50 latency (each a ratio of
     the two medians over the rounds)."""
     out = []
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         for twin, single in suite.get("bounded", {}).items():
             b, s = point(suite, twin, stream, c), point(suite, single, stream, c)
             if b is None or s is None:
@@ -305,7 +305,7 @@ def edge_cells(suite: dict[str, Any]) -> list[dict[str, Any]]:
     plain of req/s, CPU per request and p50 latency (each a ratio of the two medians over the
     rounds), with what each wrote to its stderr per request."""
     out = []
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         for twin, plain in suite.get("edge", {}).items():
             e, p = point(suite, twin, stream, c), point(suite, plain, stream, c)
             if e is None or p is None:
@@ -454,7 +454,7 @@ def imbalance(p: dict[str, Any]) -> float:
 
 def _processes(suite: dict[str, Any]) -> str:
     rows = []
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         for target in suite["targets"]:
             p = point(suite, target, stream, c)
             if p is None:
@@ -487,7 +487,7 @@ def _processes(suite: dict[str, Any]) -> str:
 def _outcomes(suite: dict[str, Any]) -> list[str]:
     """Narwhal's answers other than `ok`, per cell, from its own counters."""
     lines = []
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         for target in _narwhal(suite):
             p = point(suite, target, stream, c)
             if p is None:
@@ -534,7 +534,7 @@ def _projection(suite: dict[str, Any]) -> str:
     for target in suite["targets"]:
         workers = suite.get("workers", {}).get(target)
         one = workers is not None and suite.get("worker_processes", {}).get(target, 0) <= 1
-        for c in sorted({c for _, c in _cells(suite)}):
+        for c in sorted({c for _, c in cells(suite)}):
             j, s = point(suite, target, "no", c), point(suite, target, "yes", c)
             if j is None and s is None:
                 continue
@@ -729,7 +729,7 @@ def behind(suite: dict[str, Any]) -> list[str]:
                 f"{cell}: {name} spends {t['cpu']:.2f}x {BASE}'s CPU per request (target at "
                 f"most {CPU_TARGET}x)."
             )
-    for stream, c in _cells(suite):
+    for stream, c in cells(suite):
         for target in _narwhal(suite):
             p = point(suite, target, stream, c)
             sat = (p or {}).get("outcomes", {}).get("saturated", 0)

@@ -9,24 +9,10 @@ import shlex
 from typing import Any
 
 from bench.report.fmt import num, table
+from bench.report.router_bound import MODES, point
+from bench.report.router_bound import cells as _cells
 
 PEERS = ("vllm-router", "sglang-router")
-MODES = {"no": "json", "yes": "stream"}
-
-
-def point(suite: dict[str, Any], target: str, stream: str, c: int) -> dict[str, Any] | None:
-    return next(
-        (
-            m
-            for m in suite.get("medians", [])
-            if (m["target"], m["stream"], m["c"]) == (target, stream, c)
-        ),
-        None,
-    )
-
-
-def _cells(suite: dict[str, Any]) -> list[tuple[str, int]]:
-    return sorted({(m["stream"], m["c"]) for m in suite.get("medians", [])})
 
 
 def narwhal_targets(suite: dict[str, Any]) -> list[str]:
