@@ -161,7 +161,14 @@ class Chaos:
     async def _begin_router_kill(self, e: Event) -> None:
         assert self.pair is not None and self.watch is not None
         async with self._operator:
+            # Kill the router that serves: when none does at this moment (a fault of the
+            # schedule's, such as the handoff directory's, can hold the active one unready for
+            # a while), wait for it, within the takeover bound.
             victim = self.watch.active()
+            deadline = time.monotonic() + TAKEOVER_BOUND_S
+            while victim is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                victim = self.watch.active()
             if victim is None:
                 self._note(e, "skipped: no router answered /ready 200", failed=True)
                 return

@@ -81,21 +81,21 @@ class Discovery:
                 await self.round()
 
     async def round(self) -> None:
-        now = self._clock.monotonic()
         if self._cfg.dns:
-            await self._source("dns", self._dns, now)
+            await self._source("dns", self._dns)
         if self._cfg.file is not None:
-            await self._source("file", self._read_file, now)
+            await self._source("file", self._read_file)
         _honour_swallowed_cancel()
 
-    async def _source(
-        self, origin: str, find: Callable[[], Awaitable[list[EngineConfig]]], now: float
-    ) -> None:
+    async def _source(self, origin: str, find: Callable[[], Awaitable[list[EngineConfig]]]) -> None:
         try:
             found = await find()
         except DiscoveryFailed as exc:
             self._failed(origin, str(exc))
             return
+        # A member's absence dates from the answer that showed it, not from the question: a
+        # slow answer must not shorten the grace period.
+        now = self._clock.monotonic()
         others = {e.id: e for e in self._membership.fleet if e.origin != origin}
         usable = [e for e in found if e.id not in others]
         for engine in found:

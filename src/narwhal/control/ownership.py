@@ -217,11 +217,24 @@ class Ownership:
             return
         answer = await self._probe_ready(url)
         if answer is None:
-            failing = True  # unreachable
+            failing, why = True, "unreachable"
         else:
             status, body = answer
             failing = status != 200 and counts_toward_takeover(body)
-        self.active_failures = self.active_failures + 1 if failing else 0
+            why = f"HTTP {status}: {body.strip()[:200]}"
+        before = self.active_failures
+        self.active_failures = before + 1 if failing else 0
+        # The climb to the takeover threshold, one line a check (an operator reads why the
+        # standby took over, or nearly did); silent past the threshold.
+        threshold = self._cfg.standby.takeover_threshold
+        if failing and self.active_failures <= threshold:
+            log.warning(
+                "standby: the active failed its readiness check (%d of %d): %s",
+                self.active_failures, threshold, why,
+                extra={"active_failures": self.active_failures, "threshold": threshold},
+            )  # fmt: skip
+        elif not failing and before:
+            log.info("standby: the active is ready again after %d failing checks", before)
 
     async def _http_ready(self, url: str) -> tuple[int, str] | None:
         if self._session is None:
