@@ -77,3 +77,113 @@ def summarise(path: Path, top: int = 15) -> dict[str, Any]:
         "inclusive_narwhal": share(narwhal_inclusive, top),
         "areas": share(areas, len(areas)),
     }
+
+
+# A sample's step is the innermost Narwhal frame's module (what Narwhal code was running, or
+# had called into a library, the event loop's C code or the kernel); first match wins. A
+# sample with no Narwhal frame is the event loop's own work between callbacks.
+STEPS = (
+    ("parse and connection (HTTP/1 server)", ("narwhal/process/h1_", "narwhal/h1_body.py")),
+    ("routing", ("narwhal/process/routes.py", "narwhal/process/forward.py")),
+    (
+        "validation (body, model, limits)",
+        (
+            "narwhal/dataplane/requests.py",
+            "narwhal/dataplane/body.py",
+            "narwhal/dataplane/tokens.py",
+            "narwhal/dataplane/token_limits.py",
+        ),
+    ),
+    ("auth", ("narwhal/dataplane/auth.py",)),
+    (
+        "admission (gate, flow)",
+        (
+            "narwhal/process/gate.py",
+            "narwhal/dataplane/flow_gate.py",
+            "narwhal/fleet/admission.py",
+            "narwhal/flow/",
+        ),
+    ),
+    (
+        "placement",
+        (
+            "narwhal/dataplane/placement.py",
+            "narwhal/dataplane/prefix.py",
+            "narwhal/placement/",
+            "narwhal/fleet/store.py",
+            "narwhal/fleet/replica.py",
+        ),
+    ),
+    ("shared tables (in-flight)", ("narwhal/process/table.py", "narwhal/fleet/inflight.py")),
+    (
+        "evidence and acknowledgements",
+        (
+            "narwhal/process/reporter.py",
+            "narwhal/process/events.py",
+            "narwhal/process/channel.py",
+            "narwhal/fleet/evidence_sink.py",
+        ),
+    ),
+    ("metrics", ("narwhal/telemetry/", "prometheus_client/")),
+    ("access log", ("narwhal/dataplane/access_log.py",)),
+    (
+        "relay: engine legs (client side to engines)",
+        (
+            "narwhal/engine/",
+            "narwhal/dataplane/legs.py",
+            "narwhal/dataplane/leg.py",
+            "narwhal/dataplane/engine_calls.py",
+            "narwhal/dataplane/pool.py",
+        ),
+    ),
+    (
+        "relay: stream to the client",
+        (
+            "narwhal/dataplane/stream_leg.py",
+            "narwhal/dataplane/relay.py",
+            "narwhal/dataplane/sse.py",
+            "narwhal/dataplane/watchdog.py",
+            "narwhal/dataplane/exchange.py",
+        ),
+    ),
+    ("request path (plane, ids, outcomes, record)", ("narwhal/dataplane/",)),
+    (
+        "control plane (monitor, fleet, state)",
+        (
+            "narwhal/control/",
+            "narwhal/fleet/",
+            "narwhal/state/",
+            "narwhal/process/supervisor.py",
+            "narwhal/process/worker.py",
+        ),
+    ),
+    ("other Narwhal", ("narwhal/",)),
+)
+LOOP_STEP = "event loop (no Narwhal frame)"
+
+
+def step(files: list[str]) -> str:
+    """The step of one sample, from its frames' files, outermost first."""
+    for file in reversed(files):
+        if "narwhal/" not in file or "narwhal/cli/" in file:
+            continue
+        for name, needles in STEPS:
+            if any(n in file for n in needles):
+                return name
+    return LOOP_STEP
+
+
+def steps(path: Path) -> dict[str, Any]:
+    """Busy samples by step (shares of all busy samples) and their total."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        counts[step([_frame(f)[1] for f in stack.split(";")])] += count
+        total += count
+    if not total:
+        return {"samples": 0, "steps": []}
+    return {"samples": total, "steps": [(k, v / total) for k, v in counts.most_common()]}

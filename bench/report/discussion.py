@@ -5,18 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from bench.context import PEER_KINDS
-from bench.report import router_bound, router_wrk
+from bench.report import profile, router_bound, router_wrk
 from bench.report.fmt import is_peer
 from bench.report.overhead import paired_added, point
 
 BEHIND = 0.05  # report gaps over 5 %
-_WRAPPERS = {  # request-handler frames that contain everything else
-    "DataPlane.handle",
-    "DataPlane._handle",
-    "DataPlane._serve",
-    "DataPlane._attempt",
-    "add_routes.<locals>.completions",
-}
 
 
 def _overhead(o: dict[str, Any]) -> list[str]:
@@ -254,25 +247,16 @@ def _buffering(o: dict[str, Any]) -> str:
 
 
 def _why(p: dict[str, Any]) -> str:
-    j = p.get("json") or {}
-    if not j.get("samples"):
+    w = (p.get("targets") or {}).get("narwhal-wauto", {}).get("json")
+    if not w:
         return ""
-    areas = ", ".join(f"{a} {100 * s:.0f}%" for a, s in j["areas"][:6])
-    top = ", ".join(f"`{f.split(' (')[0]}` {100 * s:.0f}%" for f, s in j["self"][:6])
-    below = [(f, s) for f, s in j["inclusive_narwhal"] if f.split(" (")[0] not in _WRAPPERS]
-    mine = ", ".join(f"`{f.split(' (')[0]}` {100 * s:.0f}%" for f, s in below[:8])
+    top = ", ".join(f"{name} {us:.0f}" for name, us in profile.step_totals(w)[:7])
     return (
-        "Profiled as one Python process on one asyncio event loop (`serving.workers: 1`); the "
-        "peers are Rust (tokio and hyper) with worker threads on both cores. For each client "
-        "request Narwhal serves one aiohttp server request and makes two engine requests "
-        "(prefill, decode) on `engine/h1.py`'s protocols, parses the client's JSON and the "
-        "prefill's answer, and updates its Prometheus metrics. In the "
-        f"non-streaming profile the router's busy time splits as: {areas}. Top functions by self "
-        f"time: {top}. Below the request handler, Narwhal's frames by inclusive time: {mine}. "
-        "Socket writes "
-        "(`_SelectorSocketTransport.write`) include the kernel's loopback delivery; the rest of "
-        "the top is the event loop and aiohttp's server, the stack's cost that the floor "
-        "measures too."
+        "Profiled under wrk in front of engines that answer at once, with Narwhal's defaults "
+        f"(`workers: auto`): non-streaming, {w['cpu_us_per_request']:.0f} CPU-µs per request "
+        "over all its processes; the largest steps, in µs per request: "
+        f"{top} (the profile section has each process's split). The peers are Rust (tokio "
+        "and hyper) with worker threads on both cores."
     )
 
 

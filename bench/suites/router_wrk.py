@@ -243,7 +243,7 @@ def _log(ctx: Context, r: dict[str, Any]) -> None:
     )
 
 
-def _scripts(ctx: Context) -> dict[str, Path]:
+def scripts(ctx: Context) -> dict[str, Path]:
     out = {}
     for stream in ("no", "yes"):
         path = ctx.work / f"wrk-post-{stream}.lua"
@@ -282,7 +282,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         ctx.skipped["wrk"] = why
         ctx.log(f"router_wrk: skipped: {why}")
         return {"skipped": why}
-    scripts = _scripts(ctx)
+    paths = scripts(ctx)
     mocks: list[MockEngine] = []
     routers: dict[str, Running] = {}
     samples: list[dict[str, Any]] = []
@@ -298,7 +298,7 @@ async def run(ctx: Context) -> dict[str, Any]:
                 for rep in range(mode.router_wrk_reps):
                     k = rep % len(order0) if order0 else 0
                     for name in order0[k:] + order0[:k]:
-                        r = await _measure(ctx, routers[name], mocks, scripts, stream, c, rep)
+                        r = await _measure(ctx, routers[name], mocks, paths, stream, c, rep)
                         samples.append(r)
                         _log(ctx, r)
     finally:
@@ -324,7 +324,7 @@ async def run(ctx: Context) -> dict[str, Any]:
                 mode.router_wrk_s,
                 REQUEST_TIMEOUT_S + CLIENT_GRACE_S,
             ),
-            "script": scripts["no"].read_text(),
+            "script": paths["no"].read_text(),
         },
         "wall_s": time.monotonic() - t0,
         "medians": medians(samples, targets),
