@@ -132,8 +132,15 @@ def _parser() -> argparse.ArgumentParser:
         "--ab-src",
         type=Path,
         metavar="SRC",
-        help="router_bound also runs each Narwhal target from this source tree (another "
-        "revision's src/, e.g. a git worktree) as <target>@base, side by side",
+        help="router_bound and router_wrk also run each Narwhal target from this source tree "
+        "(another revision's src/, e.g. a git worktree) as <target>@base, side by side",
+    )
+    p.add_argument(
+        "--wrk-targets",
+        metavar="NAME,NAME,...",
+        help="router_wrk: the targets to run (default: the mode's: narwhal-w1, narwhal-wauto, "
+        "vllm-router, sglang-router, floor-raw); with --ab-src each Narwhal one also runs as "
+        "<target>@base",
     )
     p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
     return p
@@ -157,6 +164,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, router_bound_bounded=args.bounded_twin)
     if args.edge_twins is not None:
         mode = replace(mode, router_bound_edge=args.edge_twins)
+    if args.wrk_targets:
+        mode = replace(mode, router_wrk_targets=tuple(args.wrk_targets.split(",")))
     if args.reps is not None:
         mode = replace(mode, router_bound_reps=args.reps, router_wrk_reps=args.reps)
     results_dir, work = _prepare(args.results, mode.name)

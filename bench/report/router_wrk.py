@@ -11,6 +11,7 @@ from typing import Any
 from bench.report.fmt import num, table
 from bench.report.router_bound import MODES, point
 from bench.report.router_bound import cells as _cells
+from bench.stats import median
 
 PEERS = ("vllm-router", "sglang-router")
 
@@ -173,6 +174,59 @@ def _asked(suite: dict[str, Any]) -> str:
     return table(["mode", "c", "target", "prefill engine", "decode engine"], rows)
 
 
+def ab_pairs(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """`--ab-src`: per Narwhal target with an `@base` twin and per cell, the ratio of the
+    target's router CPU per request to its twin's in each round (the two ran in the same
+    round, so a pair shares the machine's state of the moment), their median, and how many
+    are below 1. Broken runs make no pair."""
+    samples = suite.get("samples", [])
+    by = {(r["target"], r["stream"], r["c"], r["rep"]): r for r in samples if not r["broken"]}
+    out = []
+    for target in narwhal_targets(suite):
+        if target.endswith("@base") or f"{target}@base" not in suite.get("targets", []):
+            continue
+        for stream, c in _cells(suite):
+            ratios = []
+            for (t, st, cc, rep), r in sorted(by.items()):
+                twin = by.get((f"{target}@base", st, cc, rep))
+                if (t, st, cc) == (target, stream, c) and twin is not None:
+                    ratios.append(_ratio(r["router_cpu_ms_per_1k"], twin["router_cpu_ms_per_1k"]))
+            ratios = [x for x in ratios if not math.isnan(x)]
+            if ratios:
+                out.append(
+                    {
+                        "target": target,
+                        "stream": stream,
+                        "c": c,
+                        "median": median(ratios),
+                        "below_1": sum(1 for x in ratios if x < 1),
+                        "ratios": ratios,
+                    }
+                )
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+def _ab(suite: dict[str, Any]) -> str:
+    rows = [
+        [
+            p["target"],
+            MODES[p["stream"]],
+            str(p["c"]),
+            f"{p['median']:.2f}x",
+            f"{p['below_1']} of {len(p['ratios'])}",
+            ", ".join(f"{x:.2f}" for x in p["ratios"]),
+        ]
+        for p in ab_pairs(suite)
+    ]
+    return table(
+        ["target", "mode", "c", "CPU/request ÷ @base (median)", "pairs below 1", "pairs"], rows
+    )
+
+
 def render(suite: dict[str, Any]) -> str:
     if suite.get("skipped"):
         return f"Not run: {suite['skipped']}."
@@ -209,4 +263,11 @@ def render(suite: dict[str, Any]) -> str:
         "",
         _asked(suite),
     ]
+    if ab_pairs(suite):
+        out += [
+            "",
+            "#### A/B: each Narwhal target against its `@base` twin (`--ab-src`), round by round",
+            "",
+            _ab(suite),
+        ]
     return "\n".join(out)

@@ -263,7 +263,8 @@ async def _wrk_version() -> str:
 
 
 def _targets(ctx: Context) -> list[str]:
-    """The mode's targets the bench venv can run (`floor-raw` borrows uvloop and httptools)."""
+    """The mode's targets the bench venv can run (`floor-raw` borrows uvloop and httptools),
+    each Narwhal target followed by its `@base` twin under `--ab-src`."""
     out = []
     for name in ctx.mode.router_wrk_targets:
         missing = [m for m in ("uvloop", "httptools") if not ctx.venv.has(m)]
@@ -272,6 +273,8 @@ def _targets(ctx: Context) -> list[str]:
             ctx.log(f"router_wrk: {name} skipped: {ctx.skipped[name]}")
             continue
         out.append(name)
+        if ctx.ab_src is not None and name.startswith("narwhal"):
+            out.append(f"{name}@base")  # the same target from the other tree, same rounds
     return out
 
 

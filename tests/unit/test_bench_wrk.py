@@ -379,3 +379,25 @@ def test_targets_judge_narwhal_against_the_cheaper_peer_and_the_floor() -> None:
     (peers, _) = targets.router_wrk({"router_wrk": _suite(cheaper, targets_)})
     assert peers.met is True
     assert targets.router_wrk({}) == []
+
+
+def test_an_ab_pairs_each_round_with_its_base_twins_and_skips_broken_runs() -> None:
+    def s(target: str, rep: int, cpu: float, broken: bool = False) -> dict[str, Any]:
+        return {"target": target, "stream": "no", "c": 64, "rep": rep,
+                "router_cpu_ms_per_1k": cpu, "broken": broken}  # fmt: skip
+
+    suite = {
+        "targets": ["narwhal-w1", "narwhal-w1@base", "vllm-router"],
+        "medians": [{"target": "narwhal-w1", "stream": "no", "c": 64}],
+        "samples": [
+            s("narwhal-w1", 0, 90.0), s("narwhal-w1@base", 0, 100.0),
+            s("narwhal-w1", 1, 110.0), s("narwhal-w1@base", 1, 100.0),
+            s("narwhal-w1", 2, 80.0), s("narwhal-w1@base", 2, 100.0),
+            s("narwhal-w1", 3, 10.0), s("narwhal-w1@base", 3, 100.0, broken=True),
+            s("vllm-router", 0, 50.0),
+        ],
+    }  # fmt: skip
+    (pair,) = report.ab_pairs(suite)
+    assert (pair["target"], pair["stream"], pair["c"]) == ("narwhal-w1", "no", 64)
+    assert pair["ratios"] == [0.9, 1.1, 0.8]
+    assert pair["median"] == 0.9 and pair["below_1"] == 2
