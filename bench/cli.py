@@ -142,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
         "vllm-router, sglang-router, floor-raw); with --ab-src each Narwhal one also runs as "
         "<target>@base",
     )
+    p.add_argument(
+        "--profile-targets",
+        metavar="NAME,NAME,...",
+        help="profile: the Narwhal targets to profile (default: narwhal-w1,narwhal-wauto; "
+        "e.g. narwhal-wauto-prefix)",
+    )
     p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
     return p
 
@@ -164,6 +170,8 @@ async def _main(args: argparse.Namespace) -> int:
         mode = replace(mode, router_bound_bounded=args.bounded_twin)
     if args.edge_twins is not None:
         mode = replace(mode, router_bound_edge=args.edge_twins)
+    if args.profile_targets:
+        mode = replace(mode, profile_targets=tuple(args.profile_targets.split(",")))
     if args.wrk_targets:
         mode = replace(mode, router_wrk_targets=tuple(args.wrk_targets.split(",")))
     if args.reps is not None:

@@ -108,6 +108,8 @@ class Mode:
     router_wrk_c: tuple[int, ...] = (64, 256)  # issue 32's cells
     router_wrk_s: float = 5.0  # seconds per measured run (wrk's -d, whole seconds)
     router_wrk_reps: int = 3
+    # the profile suite's Narwhal targets (bench.suites.profile)
+    profile_targets: tuple[str, ...] = ("narwhal-w1", "narwhal-wauto")
 
 
 ALL_TARGETS = ("direct", "floor", "narwhal", "vllm-router", "sglang-router")

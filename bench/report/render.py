@@ -49,7 +49,7 @@ SUITES = (
     ("streams", "Many concurrent streams", streams.render),
     ("faults", "Goodput under faults", faults.render),
     ("control", "Control-plane cost", control.render),
-    ("profile", "Hot-path profile (Narwhal)", profile.render),
+    ("profile", "Where a request's CPU goes (Narwhal, per process and step)", profile.render),
     ("floor_ab", "HTTP stack: the floor three ways, and uvloop", floor_ab.render),
     ("router_bound", "Router-bound: data-plane workers beside the peers", router_bound.render),
     ("router_wrk", "Router-bound, measured with wrk: CPU per request", router_wrk.render),

@@ -29,7 +29,6 @@ from bench.suites.router_wrk import ENGINE_ROLES, MockEngine, per_1k, scripts, s
 
 RATE_HZ = 200
 CONCURRENCY = 64
-TARGETS = ("narwhal-w1", "narwhal-wauto")
 WARM_S = 1.0
 ATTACH_S = 0.3  # py-spy's start before wrk's, so that the whole run is sampled
 
@@ -139,7 +138,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         for role in ENGINE_ROLES:
             mocks.append(await start_mock(ctx, role))
         engines = Engines(ctx.model, [mocks[0].url], [mocks[1].url])
-        routers = await start_routers(ctx, list(TARGETS), engines, NARWHAL)
+        routers = await start_routers(ctx, list(ctx.mode.profile_targets), engines, NARWHAL)
         for name, router in routers.items():
             for stream in ("no", "yes"):
                 key = "stream" if stream == "yes" else "json"
