@@ -183,8 +183,19 @@ class Http:
         return await self.call("GET", router.url + "/ready")
 
     async def status(self, router: RouterProcess) -> int | None:
-        answer = await self.ready(router)
-        return answer[0] if answer else None
+        """/ready's status; None when the router refused or broke the connection, and
+        `TIMED_OUT` when it gave no answer within the poll's 0.3 s (on a loaded host a live
+        router can be that slow: such a poll says nothing either way)."""
+        try:
+            async with self.session.get(
+                router.url + "/ready", timeout=aiohttp.ClientTimeout(total=0.3)
+            ) as resp:
+                await resp.read()
+                return resp.status
+        except TimeoutError:
+            return TIMED_OUT
+        except (aiohttp.ClientError, OSError):
+            return None
 
     async def json(self, router: RouterProcess, path: str, timeout_s: float = 5.0) -> Any:
         answer = await self.call("GET", router.url + path, timeout_s=timeout_s)
@@ -203,8 +214,30 @@ class Http:
 @dataclass
 class Sample:
     t: float  # monotonic
-    a: int | None  # /ready status; None when no answer
+    a: int | None  # /ready status; None: refused; TIMED_OUT: no answer in time
     b: int | None
+
+
+TIMED_OUT = -1
+
+
+def contradicting(samples: list[Sample], owner: str) -> list[Sample]:
+    """The samples that show `owner` ("a" or "b") not serving alone: the other ready, or
+    `owner` answering anything but 200. A poll with no answer in time says nothing; most must
+    be answered, or a router hung for good would pass."""
+    timed_out = [x for x in samples if TIMED_OUT in (x.a, x.b)]
+    assert len(timed_out) <= len(samples) // 2, f"most polls unanswered: {timed_out[-5:]}"
+    out = []
+    for x in samples:
+        mine, other = (x.a, x.b) if owner == "a" else (x.b, x.a)
+        if other == 200 or mine not in (200, TIMED_OUT):
+            out.append(x)
+    return out
+
+
+def owners(samples: list[Sample]) -> set[str]:
+    """The routers seen ready in `samples`."""
+    return {"a" if x.a == 200 else "b" for x in samples if 200 in (x.a, x.b)}
 
 
 @dataclass
@@ -503,7 +536,8 @@ async def test_killed_active_standby_serves_within_the_bound(pair: Pair) -> None
     # stamped when both answers are in; 0.5 s skips polls sent before the takeover.)
     after_takeover = watch.since(took_over + 0.5)
     assert after_takeover, "no poll after the takeover"
-    assert all(s.b == 200 for s in after_takeover), [s for s in after_takeover if s.b != 200]
+    assert contradicting(after_takeover, "b") == [], contradicting(after_takeover, "b")
+    assert owners(after_takeover) == {"b"}
     after = await http.lease(b)
     assert after is not None
     assert after["role"] == "active" and after["holder"] == "router-b"
@@ -545,7 +579,7 @@ async def test_stopped_active_resumes_fenced_and_its_writes_are_refused(pair: Pa
     after_thaw = watch.since(thawed)
     assert len(after_thaw) > 5, "too few /ready samples after the thaw"
     assert [s for s in after_thaw if s.a == 200] == [], "the resumed router was ready"
-    assert all(s.b == 200 for s in after_thaw if s.b is not None)
+    assert all(s.b == 200 for s in after_thaw if s.b not in (None, TIMED_OUT))
     assert not watch.split_brain()
     # The resumed router admits nothing: it judged its lease on its monotonic clock.
     assert completion is not None and completion[0] == 503, completion
@@ -640,11 +674,12 @@ async def test_degraded_active_is_preempted_at_the_threshold_not_before(pair: Pa
     takeover = await _degrade_active_until_takeover(pair)
     waiting = [(f, e) for _, f, e in takeover.trace if e == takeover.old_epoch]
     counts = [f for f, _ in waiting]
-    # What we saw of the count only ever climbs, and never past the threshold (a loaded
-    # host can make our polls too sparse to see each step: the standby's log has them).
+    # What we saw of the count only ever climbs (a loaded host can make our polls too sparse
+    # to see each step: the standby's log has them). It may pass the threshold: a takeover
+    # is a compare-and-swap that loses to a renewal landing in between, and is tried again
+    # at the next check.
     assert counts == sorted(counts), takeover.trace
-    assert max(counts) <= t.takeover_threshold, takeover.trace
-    # The standby took the lease at the threshold, one failing check at a time, not before.
+    # The standby took the lease at the threshold or after, one failing check at a time.
     climb = _climb_before_takeover(pair.b.log_text())
     assert climb == list(range(1, t.takeover_threshold + 1)), pair.b.log_tail()
     # `threshold` checks, spaced by a monitor interval, after the active went bad (less
@@ -666,7 +701,7 @@ async def test_after_a_threshold_takeover_the_new_active_serves_alone(pair: Pair
     assert took_over - broken <= t.degraded_failover_bound_s
     assert not watch.split_brain(), watch.split_brain()
     final = watch.since(took_over)
-    assert all(s.b == 200 and s.a != 200 for s in final), final[-5:]
+    assert final and contradicting(final, "b") == [], contradicting(final, "b")[-5:]
 
 
 async def test_operator_drain_survives_takeover_and_the_new_active_writes(pair: Pair) -> None:
@@ -776,8 +811,9 @@ async def test_etcd_back_within_the_ttl_the_pair_recovers_one_owner(pair: Pair) 
     print(f"ETCD OUTAGE restart->one owner={settled - restarted:.3f}s")
     assert not watch.split_brain(), watch.split_brain()
     final = watch.since(settled)
-    owners = {"a" if s.a == 200 else "b" for s in final if 200 in (s.a, s.b)}
-    assert len(owners) == 1 and all(200 in (s.a, s.b) for s in final), final[-10:]
+    assert len(owners(final)) == 1, owners(final)
+    (owner,) = owners(final)
+    assert contradicting(final, owner) == [], contradicting(final, owner)[-10:]
 
 
 @pytest.mark.parametrize("backend", ["file"], indirect=True)
@@ -811,5 +847,6 @@ async def test_a_stuck_lease_file_lock_stalls_the_pair_but_never_splits_it(pair:
     assert lease_b is not None and lease_b["role"] == "standby"  # it could not take over
     assert not watch.split_brain(), watch.split_brain()
     final = watch.since(settled)
-    owners = {"a" if s.a == 200 else "b" for s in final if 200 in (s.a, s.b)}
-    assert len(owners) == 1 and all(200 in (s.a, s.b) for s in final), final[-5:]
+    assert len(owners(final)) == 1, owners(final)
+    (owner,) = owners(final)
+    assert contradicting(final, owner) == [], contradicting(final, owner)[-10:]
