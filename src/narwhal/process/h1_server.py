@@ -41,6 +41,7 @@ from narwhal.config import ServingConfig
 from narwhal.dataplane.errors import error_body
 from narwhal.process import h1_state
 from narwhal.process.h1_connection import ServerConnection
+from narwhal.process.h1_listen import Listener, bind
 from narwhal.process.h1_request import ServerRequest as ServerRequest  # the handlers' type
 from narwhal.process.h1_state import Limits
 
@@ -142,14 +143,14 @@ class H1Server:
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self.date = _Date()
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._drained: asyncio.Event | None = None
 
     @property
     def port(self) -> int:
         """The bound port (after `start`)."""
-        assert self._server is not None, "start() first"
-        port: int = self._server.sockets[0].getsockname()[1]
+        assert self._listener is not None, "start() first"
+        port: int = self._listener.sockets[0].getsockname()[1]
         return port
 
     def settled(self) -> None:
@@ -185,16 +186,15 @@ class H1Server:
         """Listen (HTTPS with `ssl`: the handshake is asyncio's, before any request).
         `reuse_port`: the workers share the port; one process must not share it with a
         second router by mistake."""
-        self._server = await self.loop.create_server(
+        sockets = await bind(self.loop, host, port, BACKLOG, reuse_port)
+        self._listener = Listener(
+            self.loop,
+            sockets,
             lambda: ServerConnection(self),
-            host,
-            port,
-            reuse_address=True,
-            reuse_port=reuse_port,
-            backlog=BACKLOG,
-            ssl=ssl,
+            BACKLOG,
+            ssl,
             # The handshake is part of the head's time (a TLS slowloris).
-            ssl_handshake_timeout=self.limits.header_timeout_s if ssl is not None else None,
+            handshake_timeout_s=self.limits.header_timeout_s,
         )
 
     async def drain(self, grace_s: float) -> None:
@@ -202,8 +202,8 @@ class H1Server:
         running request; past `grace_s`, abort what is left."""
         self.draining = True
         self._drained = asyncio.Event()
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         for c in list(self.connections):
             if c._task is None:
                 c.close()
