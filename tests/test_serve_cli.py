@@ -321,3 +321,21 @@ def test_a_demo_engine_that_cannot_be_launched_stops_those_launched_before_it(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["narwhal-serve: start-up failed: demo fleet: [Errno 8] Exec format error"], err
     assert len(launched) == 1 and launched[0].returncode is not None, "the first sim stopped"
+
+
+def test_the_router_runs_on_uvloop() -> None:
+    """`narwhal-serve` runs its process on uvloop as the workers run on it (with `workers: 1`
+    that process is the data plane; docs/performance-log.md has the A/B)."""
+    import asyncio
+
+    import uvloop
+
+    from narwhal.cli import serve
+
+    loops: list[type] = []
+
+    async def record() -> None:
+        loops.append(type(asyncio.get_running_loop()))
+
+    assert serve._run(record()) == 0
+    assert loops == [uvloop.Loop]

@@ -14,6 +14,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import uvloop
+
 from narwhal.cli.args import Parser, add_log_level, add_version
 from narwhal.cli.startup import startup_problems, state_paths
 from narwhal.config import Config, ConfigError, load_config, parse_config
@@ -149,9 +151,13 @@ async def _main_async(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> int:
-    """Run the program; a start-up failure is one line on stderr and exit status 1."""
+    """Run the program on uvloop, as the workers run; a start-up failure is one line on
+    stderr and exit status 1. With `workers: 1` this process is the data plane, where the
+    event loop is a large share of a request's CPU (docs/performance-log.md, "uvloop in the
+    one-process router, and new connections starved on uvloop")."""
     try:
-        asyncio.run(_main_async(coro))
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_main_async(coro))
     except StartupError as exc:
         print(f"narwhal-serve: start-up failed: {exc}", file=sys.stderr)
         return EXIT_START

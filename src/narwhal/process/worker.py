@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload is the control process's
     # The data plane runs on uvloop: with the engine legs on protocols (engine/h1.py) the
     # event loop is a large share of a request's CPU (docs/performance-log.md, "uvloop in the
-    # workers"). The control process stays on asyncio.
+    # workers"); `narwhal-serve` runs the control process on it too (`cli/serve.py`).
     with (
         contextlib.suppress(ConnectionError),
         asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
