@@ -162,10 +162,23 @@ STEPS = (
 LOOP_STEP = "event loop (no Narwhal frame)"
 
 
-def step(files: list[str]) -> str:
-    """The step of one sample, from its frames' files, outermost first."""
-    for file in reversed(files):
-        if "narwhal/" not in file or "narwhal/cli/" in file:
+# Frames that only start a process (its `main`, the worker spawner's fork): a sample under
+# them and nothing else of Narwhal's is the event loop's own work.
+_ENTRIES = (
+    ("narwhal/cli/", None),
+    ("narwhal/process/zygote.py", None),
+    ("narwhal/process/worker.py", {"main", "_main"}),
+)
+
+
+def _entry(func: str, file: str) -> bool:
+    return any(n in file and (fs is None or func in fs) for n, fs in _ENTRIES)
+
+
+def step(frames: list[tuple[str, str]]) -> str:
+    """The step of one sample, from its frames (function, file), outermost first."""
+    for func, file in reversed(frames):
+        if "narwhal/" not in file or _entry(func, file):
             continue
         for name, needles in STEPS:
             if any(n in file for n in needles):
@@ -182,7 +195,7 @@ def steps(path: Path) -> dict[str, Any]:
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
-        counts[step([_frame(f)[1] for f in stack.split(";")])] += count
+        counts[step([_frame(f) for f in stack.split(";")])] += count
         total += count
     if not total:
         return {"samples": 0, "steps": []}

@@ -25,24 +25,25 @@ RAW = "\n".join(
 
 
 def test_a_sample_is_charged_to_its_innermost_narwhal_frame() -> None:
-    assert (
-        step(
-            [
-                "asyncio/runners.py",
-                "narwhal/dataplane/plane.py",
-                "narwhal/engine/h1.py",
-                "asyncio/selector_events.py",
-            ]
-        )
-        == "relay: engine legs (client side to engines)"
-    )
-    assert step(["narwhal/dataplane/plane.py", "narwhal/fleet/store.py"]) == "placement"
-    assert step(["narwhal/dataplane/plane.py", "narwhal/dataplane/auth.py"]) == "auth"
-    assert step(["narwhal/process/h1_connection.py"]).startswith("parse and connection")
-    assert step(["narwhal/dataplane/plane.py"]).startswith("request path")
-    assert step(["asyncio/runners.py", "selectors.py"]) == LOOP_STEP
-    # the CLI's frames (the process's entry) are not a step
-    assert step(["narwhal/cli/serve.py", "asyncio/base_events.py"]) == LOOP_STEP
+    def at(*files: str) -> str:
+        return step([("f", file) for file in files])
+
+    relay = "relay: engine legs (client side to engines)"
+    assert at("asyncio/runners.py", "narwhal/dataplane/plane.py", "narwhal/engine/h1.py",
+              "asyncio/selector_events.py") == relay  # fmt: skip
+    assert at("narwhal/dataplane/plane.py", "narwhal/fleet/store.py") == "placement"
+    assert at("narwhal/dataplane/plane.py", "narwhal/dataplane/auth.py") == "auth"
+    assert at("narwhal/process/h1_connection.py").startswith("parse and connection")
+    assert at("narwhal/dataplane/plane.py").startswith("request path")
+    assert at("asyncio/runners.py", "selectors.py") == LOOP_STEP
+    # A process's entry frames are not a step: the CLI, the spawner, a worker's main (its
+    # other functions are).
+    assert at("narwhal/cli/serve.py", "asyncio/base_events.py") == LOOP_STEP
+    zygote = ("_run_child", "narwhal/process/zygote.py")
+    loop = ("run", "asyncio/runners.py")
+    assert step([zygote, ("main", "narwhal/process/worker.py"), loop]) == LOOP_STEP
+    mirror = ("Worker._mirror_waiting", "narwhal/process/worker.py")
+    assert step([zygote, mirror]).startswith("control plane")
 
 
 def test_steps_are_shares_of_the_busy_samples(tmp_path: Path) -> None:
