@@ -77,7 +77,7 @@ from narwhal.state.resume import continue_sequence, resume
 from narwhal.telemetry import admin_views
 from narwhal.telemetry.events import EventLog
 from narwhal.telemetry.fleet_metrics import watch_fleet
-from narwhal.telemetry.loop_lag import watch_loop_lag
+from narwhal.telemetry.loop_lag import Observers, watch_loop_lag
 from narwhal.telemetry.metrics import Metrics, SummedData, WorkerFiles
 from narwhal.telemetry.timeline import Timeline
 from narwhal.tls import engine_context, server_context
@@ -714,7 +714,15 @@ class Router:
             log.info("narwhal listening on http://%s:%s", host, bound)
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
-                tg.create_task(watch_loop_lag(self.metrics.loop_lag, self.metrics.loop_stall))
+                # This process's own loop: the lease, the monitor and the handoff run on it
+                # (with `workers: 1`, every request too: exported under both names).
+                m = self.metrics
+                if self.workers == 1:
+                    lag = Observers(m.loop_lag, m.control_loop_lag)
+                    stall = Observers(m.loop_stall, m.control_loop_stall)
+                else:
+                    lag, stall = Observers(m.control_loop_lag), Observers(m.control_loop_stall)
+                tg.create_task(watch_loop_lag(lag, stall))
                 # Cache-aware placement's index: followed here in every mode (a standby's is
                 # warm at takeover; with workers it explains decisions for /admin).
                 interval_s = self.config.placement.metrics_interval_s

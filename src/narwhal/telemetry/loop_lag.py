@@ -18,10 +18,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-
-from prometheus_client import Histogram
+from typing import Protocol
 
 LAG_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Observer(Protocol):
+    """A histogram, or several (`Observers`)."""
+
+    def observe(self, amount: float) -> None: ...
+
+
+class Observers:
+    """One observation into each of several histograms (one loop exported under two names)."""
+
+    def __init__(self, *histograms: Observer) -> None:
+        self._histograms = histograms
+
+    def observe(self, amount: float) -> None:
+        for h in self._histograms:
+            h.observe(amount)
 
 
 def run_queue_wait_s() -> float | None:
@@ -36,8 +52,8 @@ def run_queue_wait_s() -> float | None:
 
 
 async def watch_loop_lag(
-    lag: Histogram,
-    stall: Histogram,
+    lag: Observer,
+    stall: Observer,
     interval_s: float = 0.05,
     waited: Callable[[], float | None] = run_queue_wait_s,
 ) -> None:

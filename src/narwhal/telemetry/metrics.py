@@ -464,6 +464,19 @@ class Metrics:
             buckets=_LATENCY_BUCKETS_S,
         )
 
+        self.control_loop_lag = Histogram(
+            "narwhal_control_event_loop_lag_seconds",
+            "How late the control process's event loop ran a due wake-up (the lease, the "
+            "monitor and the handoff run there; with workers: 1 it is the router's one loop)",
+            registry=r,
+            buckets=LAG_BUCKETS_S,
+        )
+        self.control_loop_stall = Histogram(
+            "narwhal_control_event_loop_stall_seconds",
+            "The control process's loop lag, less the time its thread waited for a CPU",
+            registry=r,
+            buckets=LAG_BUCKETS_S,
+        )
         self.lease_role = Gauge(
             "narwhal_lease_role", "1 for this router's lease role", ["role"], registry=r
         )
