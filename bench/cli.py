@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench import machine, procs
+from bench import machine, procs, regression
 from bench.context import PEER_KINDS, Context, jsonable, load_python, loadavg
 from bench.loadgen.driver import LoadGen
 from bench.modes import MODES
@@ -148,6 +148,19 @@ def _parser() -> argparse.ArgumentParser:
         help="profile: the Narwhal targets to profile (default: narwhal-w1,narwhal-wauto; "
         "e.g. narwhal-wauto-prefix)",
     )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="JSON",
+        help="router_wrk: check Narwhal's CPU per request (as a ratio to floor-raw's in the "
+        "same rounds) against this recorded run, failing with exit status 3 on a rise beyond "
+        "the noise (default: bench/baselines/router_wrk.json)",
+    )
+    p.add_argument(
+        "--record-baseline",
+        action="store_true",
+        help="router_wrk: record this run as the baseline instead of checking against it",
+    )
     p.add_argument("--from-results", metavar="JSON", help="only re-render the report from JSON")
     return p
 
@@ -226,8 +239,28 @@ async def _main(args: argparse.Namespace) -> int:
     doc["narwhal_configs"] = ctx.configs
     doc["loadavg_end"] = loadavg()
     doc["duration_s"] = time.time() - started
+    wrk_suite = doc["suites"].get("router_wrk")
+    regressed = False
+    if wrk_suite and not wrk_suite.get("skipped") and ab_src is None:
+        if args.record_baseline:
+            path = args.baseline or regression.BASELINE
+            regression.record(wrk_suite, doc["command"], path)
+            ctx.log(f"router_wrk: recorded as the baseline in {path}")
+        else:
+            found = regression.verdict(
+                wrk_suite, regression.load(args.baseline or regression.BASELINE)
+            )
+            wrk_suite["regression"] = found
+            regressed = found["ok"] is False
+            for line in found.get("regressions", []):
+                ctx.log(f"REGRESSION (CPU per request, router_wrk): {line}")
+            if found["ok"] is None:
+                ctx.log(f"router_wrk: not checked against a baseline: {found['why']}")
     raw, report = _write(doc, results_dir, Path(args.report))
     ctx.log(f"wrote {report} and {raw} in {doc['duration_s']:.0f} s")
+    if regressed:
+        ctx.log("FAILED: Narwhal's CPU per request rose beyond the noise (above)")
+        return 3
     return 1 if failed else 0
 
 

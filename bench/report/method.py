@@ -42,7 +42,23 @@ make bench-quick    # quick mode: bench-results/quick.md (under a minute once se
 # the router-bound suite again with wrk in front of mock engines that answer at once (~7 min):
 .venv/bin/python -m bench --mode full --suites router_wrk \\
     --report bench-results/router_wrk.md --results bench-results/router_wrk
+# ... as an A/B of this tree against another revision (a worktree), same rounds, no peers:
+git worktree add /tmp/ab_base <rev>
+.venv/bin/python -m bench --mode full --suites router_wrk --wrk-targets narwhal-w1,narwhal-wauto \\
+    --reps 5 --ab-src /tmp/ab_base/src --report bench-results/ab.md --results bench-results/ab
+# where each process's CPU per request goes, step by step (py-spy on every process, ~1 min):
+.venv/bin/python -m bench --mode full --suites profile \\
+    --profile-targets narwhal-w1,narwhal-wauto,narwhal-wauto-prefix \\
+    --report bench-results/profile.md --results bench-results/profile
 ```
+
+**Regression check.** Every run with the router_wrk suite (`make bench` included) compares each
+Narwhal cell's CPU per request, as a ratio to floor-raw's in the same rounds (so the machine's
+drift between runs, 10-30% here, falls on both), with the last accepted run in
+`bench/baselines/router_wrk.json`; a rise beyond the larger of 10% and either run's spread of
+that ratio over its rounds is printed as `REGRESSION` and the run exits with status 3.
+`--record-baseline` records the run as the new baseline, after a change that was measured and
+kept.
 
 The first run creates `bench/.venv` and installs the peers there with pip (`vllm-router==0.1.17`,
 `sglang-router==0.3.2`), plus `py-spy==0.4.3`, and `uvloop` and `aiohttp` for the load

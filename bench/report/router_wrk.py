@@ -227,6 +227,21 @@ def _ab(suite: dict[str, Any]) -> str:
     )
 
 
+def _regression(found: dict[str, Any] | None) -> str:
+    """`bench/regression.py`'s verdict on this run (made by `python -m bench` after the run)."""
+    if found is None:
+        return "Not checked (an A/B run, or a baseline recorded by this run)."
+    if found["ok"] is None:
+        return f"Not checked: {found['why']}."
+    head = ("**Regressed**" if not found["ok"] else "Within the noise") + (
+        f" against the run recorded {found['baseline_recorded_at']} "
+        "(`bench/baselines/router_wrk.json`): each Narwhal cell's CPU per request as a ratio "
+        "to floor-raw's in the same rounds (median of rounds), allowed to rise by the larger "
+        "of 10% and either run's spread of that ratio."
+    )
+    return "\n".join([head, "", *[f"- {line}" for line in found["compared"]]])
+
+
 def render(suite: dict[str, Any]) -> str:
     if suite.get("skipped"):
         return f"Not run: {suite['skipped']}."
@@ -263,6 +278,7 @@ def render(suite: dict[str, Any]) -> str:
         "",
         _asked(suite),
     ]
+    out += ["", "#### Against the last recorded run", "", _regression(suite.get("regression"))]
     if ab_pairs(suite):
         out += [
             "",
