@@ -1,4 +1,4 @@
-"""Summaries of py-spy's collapsed stacks: self and inclusive time per function and per area.
+"""Summaries of py-spy's collapsed stacks: busy samples by step, and self time per function.
 
 A line of `py-spy record --format raw --function` is `frame;frame;...;leaf COUNT`, outermost
 first, each frame `function (file:line)`.
@@ -8,27 +8,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
-AREAS = (
-    ("narwhal dataplane", "narwhal/dataplane/"),
-    ("narwhal engine transport", "narwhal/engine/"),
-    ("narwhal telemetry (metrics)", "narwhal/telemetry/"),
-    ("narwhal control", "narwhal/control/"),
-    ("narwhal other", "narwhal/"),
-    ("prometheus_client", "prometheus_client/"),
-    ("aiohttp client", "aiohttp/client"),
-    ("aiohttp server (web)", "aiohttp/web"),
-    ("aiohttp other", "aiohttp/"),
-    ("multidict / yarl", "multidict/"),
-    ("multidict / yarl", "yarl/"),
-    ("asyncio event loop", "asyncio/"),
-    ("selectors / socket", "selectors.py"),
-    ("json / orjson", "json/"),
-    ("logging", "logging/"),
-)
 
 
 def _frame(text: str) -> tuple[str, str]:
@@ -38,45 +22,12 @@ def _frame(text: str) -> tuple[str, str]:
     return match["func"], match["file"]
 
 
-def area(file: str) -> str:
-    for name, needle in AREAS:
-        if needle in file:
-            return name
-    return "other (C code, stdlib)" if file else "other"
-
-
-def summarise(path: Path, top: int = 15) -> dict[str, Any]:
-    self_time: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    areas: Counter[str] = Counter()
-    total = 0
+def _stacks(path: Path) -> Iterator[tuple[list[tuple[str, str]], int]]:
+    """Each line's frames (function, file), outermost first, and its sample count."""
     for line in path.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = [_frame(f) for f in stack.split(";")]
-        names = [f"{func} ({file})" for func, file in frames]
-        total += count
-        self_time[names[-1]] += count
-        areas[area(frames[-1][1])] += count
-        for name in set(names):
-            inclusive[name] += count
-    if not total:
-        return {"samples": 0}
-
-    def share(counter: Counter[str], n: int) -> list[tuple[str, float]]:
-        return [(k, v / total) for k, v in counter.most_common(n)]
-
-    narwhal_inclusive = Counter(
-        {k: v for k, v in inclusive.items() if "narwhal/" in k and "narwhal/cli/" not in k}
-    )
-    return {
-        "samples": total,
-        "self": share(self_time, top),
-        "inclusive_narwhal": share(narwhal_inclusive, top),
-        "areas": share(areas, len(areas)),
-    }
+        if stack and count_text.isdigit():
+            yield [_frame(f) for f in stack.split(";")], int(count_text)
 
 
 # A sample's step is the innermost Narwhal frame's module (what Narwhal code was running, or
@@ -186,17 +137,21 @@ def step(frames: list[tuple[str, str]]) -> str:
     return LOOP_STEP
 
 
-def steps(path: Path) -> dict[str, Any]:
-    """Busy samples by step (shares of all busy samples) and their total."""
+def steps(path: Path, top: int = 10) -> dict[str, Any]:
+    """Busy samples by step (shares of all busy samples), their total, and the `top`
+    functions by self time (the leaf frame: where the CPU was, a C call included)."""
     counts: Counter[str] = Counter()
+    self_time: Counter[str] = Counter()
     total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        counts[step([_frame(f) for f in stack.split(";")])] += count
+    for frames, count in _stacks(path):
+        counts[step(frames)] += count
+        func, file = frames[-1]
+        self_time[f"{func} ({file})"] += count
         total += count
     if not total:
-        return {"samples": 0, "steps": []}
-    return {"samples": total, "steps": [(k, v / total) for k, v in counts.most_common()]}
+        return {"samples": 0, "steps": [], "self": []}
+    return {
+        "samples": total,
+        "steps": [(k, v / total) for k, v in counts.most_common()],
+        "self": [(k, v / total) for k, v in self_time.most_common(top)],
+    }

@@ -21,7 +21,7 @@ from typing import Any
 
 from bench import wrk
 from bench.context import CLIENT_GRACE_S, REQUEST_TIMEOUT_S, Context
-from bench.profiles import steps, summarise
+from bench.profiles import steps
 from bench.routers import Engines, Running
 from bench.suites.common import start_routers
 from bench.suites.router_bound import NARWHAL, role_order, sample, spent
@@ -104,7 +104,7 @@ async def _profile(
             "file": outs[role].name,
             "samples": s["samples"],
             "steps": per_step(s["steps"], cpu_us),
-            "self": summarise(outs[role], top=10).get("self", []),
+            "self": s["self"],
         }
     total_us = per_1k(sum(r["cpu_s"] for r in roles.values()), requests)
     ctx.log(

@@ -58,6 +58,7 @@ def test_steps_are_shares_of_the_busy_samples(tmp_path: Path) -> None:
     assert shares["placement"] == 0.10
     assert shares["metrics"] == 0.05
     assert sum(shares.values()) == 1.0
+    assert s["self"][0] == ("write (asyncio/selector_events.py)", 0.40)  # the leaf's
 
 
 def test_a_steps_microseconds_are_its_share_of_the_process_cpu(tmp_path: Path) -> None:
