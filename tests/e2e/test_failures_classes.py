@@ -126,7 +126,10 @@ async def fail_until_held(
         statuses += await burst(http, rr, stream=stream)
         if "inference_verification" in hold_names(await engine(http, rr, engine_id)):
             return statuses
-    raise AssertionError(f"{engine_id} was never held; statuses {statuses}")
+    # Not understood (a loaded run, once: 24 streams, all 200, d1 never seen held): say what
+    # the router knew of the engine, so the next occurrence tells why.
+    state = await engine(http, rr, engine_id)
+    raise AssertionError(f"{engine_id} was never held; statuses {statuses}; its state {state}")
 
 
 async def assert_peers_serve_during_hold(

@@ -11,6 +11,7 @@ one `id`, `created` and `model`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -221,7 +222,12 @@ async def test_a_decode_killed_mid_stream_is_continued_exactly(
     [event] = await _timeline(rr, http)
     killed = next(i for i, d in enumerate(fleet.decodes) if not d.running)
     assert event["engine"] == f"d{killed}"
-    assert "after 5 tokens (connection_lost, token_ids, migration 1)" in event["what"]
+    # The kill is sent once the client has 5 chunks; the engine may have produced more
+    # before it died (a loaded host once let a 6th through): never fewer.
+    moved = re.search(
+        r"after (\d+) tokens \(connection_lost, token_ids, migration 1\)", event["what"]
+    )
+    assert moved is not None and int(moved[1]) >= 5, event["what"]
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
