@@ -15,6 +15,7 @@ from bench.stats import percentile
 
 K = TypeVar("K")
 JUDGED = "narwhal-flow"
+PREEMPTED = "narwhal-flow-preempt"  # judged too: the targets with `flow.preempt_priority`
 BASELINE = "narwhal-flow-off"
 SHED_MS = 50.0  # a refusal's answer, after the moment it was shed
 FAIRNESS = 0.95
@@ -180,9 +181,11 @@ def _met(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def verdicts(rows: Mapping[str, dict[str, Any]], slo: float | None) -> list[list[str]]:
-    """Issue 31's targets on the judged arm: [target, measured, met / missed]."""
-    mine = rows.get(JUDGED)
+def verdicts(
+    rows: Mapping[str, dict[str, Any]], slo: float | None, arm: str = JUDGED
+) -> list[list[str]]:
+    """Issue 31's targets on `arm`: [target, measured, met / missed]."""
+    mine = rows.get(arm)
     if mine is None:
         return [["all", "-", "not measured"]]
     out = []
@@ -331,6 +334,9 @@ def render(suite: dict[str, Any]) -> str:
         f"`flow.queue_limit` {suite['queue_limit']}, four client keys in `auth` with "
         f"equal weights in `auth.key_policies`); `{JUDGED}-headroom` (the same with "
         f"`flow.headroom_slots` {suite.get('headroom_slots', 0)}: slots kept for priority 0); "
+        f"`{PREEMPTED}` (the same with `flow.preempt_priority` "
+        f"{suite.get('preempt_priority', 0)}: priority 0 takes a slot from a running stream of "
+        "a less urgent priority, which goes on later from its last token); "
         f"`{BASELINE}` (the same under `single_attempt`: "
         "flow control off, today's behaviour); vllm-router and sglang-router with "
         f"`--max-concurrent-requests {f['max_concurrency']} --queue-size {suite['queue_limit']} "
@@ -341,6 +347,15 @@ def render(suite: dict[str, Any]) -> str:
         "",
         table(["target", "measured", ""], verdicts(by_arm, slo)),
         "",
+    ]
+    if PREEMPTED in by_arm:
+        out += [
+            f"### Targets (`{PREEMPTED}`: the same, with preemption)",
+            "",
+            table(["target", "measured", ""], verdicts(by_arm, slo, PREEMPTED)),
+            "",
+        ]
+    out += [
         "### Side by side",
         "",
         _arms_table(rows),

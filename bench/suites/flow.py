@@ -11,7 +11,8 @@ unloaded TTFT, then `flow_s` seconds at twice the capacity.
 
 Arms: Narwhal with flow control (`serving.policy: bounded`, `engines[].max_concurrency`, the
 four keys in `auth`, each with an equal-weight `auth.key_policies` entry, `flow.max_wait_s`
-the mode's `flow_max_wait_s`); Narwhal with it off (`single_attempt`, the same config
+the mode's `flow_max_wait_s`); the same with `flow.headroom_slots`, and with
+`flow.preempt_priority`; Narwhal with it off (`single_attempt`, the same config
 otherwise: today's answer to a full fleet); vllm-router and sglang-router with their own
 concurrency limit and FIFO queue (`--max-concurrent-requests`, `--queue-size`,
 `--queue-timeout-secs`: the same bounds), which have no priorities or per-key shares. The
@@ -43,6 +44,9 @@ SLO_FACTOR = 4.0  # priority 0's TTFT SLO: this times the unloaded TTFT p50
 # that an urgent arrival at a full fleet usually finds one (no preemption), at the cost of the
 # slot left idle while none comes. The judged arm runs the default (none).
 HEADROOM_SLOTS = 1
+# `flow.preempt_priority` of the preemption arm: priority 0 takes a slot from a running stream
+# of priority 1 or 2, which goes on later from its last token.
+PREEMPT_PRIORITY = 0
 # Loopback only, not secrets. Key 0 is the heavy one.
 KEYS = tuple(f"sk-narwhal-flow-{name}-0123456789abcdef" for name in ("heavy", "k1", "k2", "k3"))
 # Offered load per (key, priority), as a share of the fleet's capacity; 2.0 in all. Every key
@@ -78,6 +82,7 @@ def arms(max_wait_s: int) -> list[RouterSpec]:
         "flow": {"max_wait_s": max_wait_s, "queue_limit": QUEUE_LIMIT},
     }
     headroom = {**narwhal, "flow": {**narwhal["flow"], "headroom_slots": HEADROOM_SLOTS}}
+    preempt = {**narwhal, "flow": {**narwhal["flow"], "preempt_priority": PREEMPT_PRIORITY}}
     queue = (
         "--max-concurrent-requests",
         str(CONCURRENCY),
@@ -101,6 +106,14 @@ def arms(max_wait_s: int) -> list[RouterSpec]:
             policy="bounded",
             api_key=keys,
             narwhal=headroom,
+            engine_max_concurrency=CONCURRENCY,
+        ),
+        RouterSpec(
+            "narwhal-flow-preempt",
+            "narwhal",
+            policy="bounded",
+            api_key=keys,
+            narwhal=preempt,
             engine_max_concurrency=CONCURRENCY,
         ),
         RouterSpec(
@@ -228,6 +241,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         "max_wait_s": ctx.mode.flow_max_wait_s,
         "queue_limit": QUEUE_LIMIT,
         "headroom_slots": HEADROOM_SLOTS,
+        "preempt_priority": PREEMPT_PRIORITY,
         "slo_factor": SLO_FACTOR,
         "heavy_key": 0,
         "traffic": [[k, p, share] for (k, p), share in sorted(TRAFFIC.items())],

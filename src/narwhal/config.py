@@ -486,6 +486,10 @@ class FlowConfig(_Section):
     # urgent): a less urgent request starts only while more than this many are free.
     headroom_slots: NonNegativeInt = 0
     headroom_priority: int = 0
+    # Requests of this priority or lower (more urgent) that find a decode role full ask a
+    # running stream of a less urgent priority to step aside and go on later from its last
+    # token (docs/flow.md, "Preemption"). Unset: no preemption.
+    preempt_priority: int | None = None
 
 
 class TracingConfig(_Section):

@@ -121,7 +121,13 @@ async def _nothing(_: int) -> None:
     return None
 
 
-async def _stream(url: str, endpoint: str, prompt: str, on_chunk: OnChunk = _nothing) -> Run:
+async def _stream(
+    url: str,
+    endpoint: str,
+    prompt: str,
+    on_chunk: OnChunk = _nothing,
+    extra_body: dict[str, Any] | None = None,
+) -> Run:
     """One streamed request through the openai client; `on_chunk(n)` after the n-th chunk
     that carried text."""
     run = Run()
@@ -132,6 +138,7 @@ async def _stream(url: str, endpoint: str, prompt: str, on_chunk: OnChunk = _not
             "stream": True,
             "stream_options": {"include_usage": True},
             "seed": 7,
+            "extra_body": extra_body,
         }
         if endpoint == "chat":
             messages = [{"role": "user", "content": prompt}]

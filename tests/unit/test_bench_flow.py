@@ -14,6 +14,7 @@ from bench.report.flow import (
     fair_shares,
     fairness,
     jain,
+    render,
     shed_latency_ms,
     verdicts,
 )
@@ -113,6 +114,32 @@ def test_verdicts_meet_every_target_when_the_run_is_clean() -> None:
     assert all(v[-1] == "met" for v in got.values()), got
     assert got["ttft"][1].startswith("100.0% of 40")
     assert got["priority 2"][1] == "1.000"
+
+
+def test_the_preemption_arm_is_judged_in_its_own_table_against_the_same_slo() -> None:
+    unloaded = [_rec(0.0, 1, 0, ttft=0.05)]
+    late = [_rec(i * 0.1, i % 4, 0, ttft=0.3 if i < 4 else 0.05) for i in range(40)]
+    prompt = [_rec(i * 0.1, i % 4, 0) for i in range(40)]
+    slow = [_rec(0.0, 1, 0, ttft=1.0)]  # its own unloaded TTFT: not the SLO's base
+    suite = {
+        **_suite(
+            [
+                {"arm": "narwhal-flow", "records": late, "unloaded": unloaded},
+                {"arm": "narwhal-flow-preempt", "records": prompt, "unloaded": slow},
+                {"arm": "narwhal-flow-off", "records": late, "unloaded": unloaded},
+            ]
+        ),
+        "fleet": {"max_tokens": 10, "max_concurrency": 8, "itl_ms": 20, "prompt_words": 32,
+                  "capacity_rps": 25.0},
+        "unloaded_s": 5, "unloaded_load": 0.1, "overload": 2.0, "traffic": [[0, 0, 1.0]],
+        "queue_limit": 1024, "heavy_key": 0,
+    }  # fmt: skip
+    text = render(suite)
+    judged, _, rest = text.partition("### Targets (`narwhal-flow-preempt`")
+    preempt = rest.partition("### Side by side")[0]
+    assert "200 ms (4x unloaded)" in judged and "**missed**" in judged  # 90% within
+    # The SLO is the default arm's (50 ms unloaded x 4), not the preemption arm's own.
+    assert "200 ms (4x unloaded)" in preempt and "100.0% of 40" in preempt
 
 
 def test_verdicts_say_missed_with_the_number() -> None:

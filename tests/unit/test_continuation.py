@@ -18,7 +18,8 @@ from narwhal.dataplane.continuation import Continuations, continued
 from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
 from narwhal.dataplane.leg import Attempt
 from narwhal.dataplane.migration import TOKEN_IDS, Continuation, Splice
-from narwhal.dataplane.outcomes import Interrupted
+from narwhal.dataplane.moves import PREEMPTED
+from narwhal.dataplane.outcomes import DeadlineExceeded, Interrupted, NotResumed, status_for
 from narwhal.dataplane.policy import Limits
 from narwhal.dataplane.record import RequestRecord
 from narwhal.dataplane.requests import ClientRequest
@@ -96,7 +97,9 @@ class World:
             self.settle, Children(self.metrics.migrations),
             Children(self.metrics.migrated_streams),
             lambda kind, engine, what: self.notes.append((kind, engine, what)), CONFIG,
+            self.resume,
         )  # fmt: skip
+        self.resumes: list[Exception | None] = []  # what each preempted wait ends with
         self.record = RequestRecord("req", "completions", "req")
         self.record.attempts = 1  # the first attempt's
         self.exchange = FakeExchange(record=self.record)
@@ -122,11 +125,23 @@ class World:
     async def settle(self) -> None:
         self.settled += 1
 
-    async def migrate(self, splice: Splice, migrations: int = 2, deadline_s: float = 10) -> Result:
+    async def resume(self, deadline: float) -> None:
+        """Flow control's answer to a preempted stream's wait: its turn, or a refusal."""
+        outcome = self.resumes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    async def migrate(
+        self,
+        splice: Splice,
+        migrations: int = 2,
+        deadline_s: float = 10,
+        interrupted: Interrupted | None = None,
+    ) -> Result:
         deadline = self.clock.monotonic() + deadline_s
         limits = Limits(attempts=1, migrations=migrations)
         return await self.continuations.migrate(
-            self.exchange, deadline, splice, _interrupted(), set(), limits
+            self.exchange, deadline, splice, interrupted or _interrupted(), set(), limits
         )
 
     def counted(self, metric: Any) -> dict[tuple[str, ...], float]:
@@ -230,3 +245,32 @@ async def test_a_request_the_prefill_completed_reaches_the_client_through_its_sp
     attempt.splice.opened = True
     assert await finished(gone, deadline, attempt, answer) == Streamed("client_disconnect")
     assert world.counted(world.metrics.migrated_streams) == {("saved",): 2}
+
+
+def _preempted() -> Interrupted:
+    return Interrupted(EngineFailure(FailureClass.STREAM, "preempted"), PREEMPTED, "d0")
+
+
+async def test_a_preempted_stream_waits_for_its_turn_then_goes_on() -> None:
+    world = World(Streamed("ok"), Streamed("ok"))
+    world.resumes = [None]
+    assert await world.migrate(_broken({"prompt": "x"}), interrupted=_preempted()) == Streamed("ok")
+    assert world.resumes == []  # it waited once, then went on
+    assert len(world.attempts) == 1
+    assert world.counted(world.metrics.migrations) == {("preempted", TOKEN_IDS): 1.0}
+    # Interrupted again, by a failure this time: it goes on at once, without waiting.
+    world = World(_interrupted(), Streamed("ok"))
+    world.resumes = [None]
+    assert await world.migrate(_broken({"prompt": "x"}), interrupted=_preempted()) == Streamed("ok")
+    assert len(world.attempts) == 2 and world.resumes == []
+
+
+async def test_a_preempted_stream_refused_its_turn_ends_with_the_error_event() -> None:
+    for refusal in (NotResumed("not admitting requests: lease lost"), DeadlineExceeded()):
+        world = World()
+        world.resumes = [refusal]
+        result = await world.migrate(_broken({"prompt": "x"}), interrupted=_preempted())
+        assert result == Streamed("upstream_error_midstream")
+        assert world.errors == [refusal]
+        assert world.attempts == []
+        assert status_for(refusal)[0] in (503, 504)

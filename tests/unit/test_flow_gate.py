@@ -11,9 +11,10 @@ import pytest
 from narwhal.config import Config
 from narwhal.dataplane.exchange import Exchange
 from narwhal.dataplane.flow_gate import FlowGate, Ticket
+from narwhal.dataplane.outcomes import DeadlineExceeded
 from narwhal.dataplane.record import RequestRecord
 from narwhal.dataplane.requests import parse_request
-from narwhal.flow.state import Ask, Begun, Done, Start, Withdraw
+from narwhal.flow.state import Ask, FromDataPlane, Kept, Preempt, Requeue, Start, Withdraw
 from tests.support.fake_exchange import FakeExchange
 
 KEY = "a" * 12  # a key's label
@@ -33,8 +34,14 @@ class StartAtOnce:
     def __init__(self) -> None:
         self.gate: FlowGate | None = None
         self.asks: list[Ask] = []
+        self.sent: list[FromDataPlane] = []
+        self.grant_requeues = True
 
-    def send(self, event: Ask | Begun | Done | Withdraw) -> None:
+    def send(self, event: FromDataPlane) -> None:
+        self.sent.append(event)
+        if isinstance(event, Requeue) and self.grant_requeues:
+            assert self.gate is not None
+            self.gate.answer(Start(event.id, 0, 0, 0.0))
         if isinstance(event, Ask):
             self.asks.append(event)
             assert self.gate is not None
@@ -81,3 +88,61 @@ async def test_with_the_queue_off_priority_goes_to_the_engine_as_sent() -> None:
     assert await gate.admit(req, cast(Exchange, exchange), 10.0, None) is None
     assert link.asks == []
     assert req.body["priority"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "preemptible"),
+    [
+        (b'{"prompt": "x", "stream": true}', True),
+        (b'{"prompt": "x"}', False),  # not a stream: it cannot go on from a token
+        (b'{"prompt": "x", "stream": true, "response_format": {"type": "json_object"}}', False),
+    ],
+)
+async def test_only_a_stream_that_may_migrate_is_preemptible(
+    body: bytes, preemptible: bool
+) -> None:
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    req = parse_request("completions", body, "m")
+    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
+    await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    assert [a.preemptible for a in link.asks] == [preemptible]
+    gate, link = gate_for(config(serving={"policy": "bounded", "migration_limit": 0}))
+    await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    assert [a.preemptible for a in link.asks] == [False]
+
+
+async def test_a_preemption_is_kept_when_the_data_plane_cannot_step_aside() -> None:
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    asked: list[str] = []
+    gate.preempt = lambda request_id: asked.append(request_id) or request_id == "r2"
+    gate.answer(Preempt("r1", 0, 2))
+    gate.answer(Preempt("r2", 0, 2))
+    assert asked == ["r1", "r2"]
+    assert link.sent == [Kept("r1")]
+
+
+async def test_a_preempted_request_requeues_and_its_legs_are_placed_anew() -> None:
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    req = parse_request("completions", b'{"prompt": "x", "stream": true}', "m")
+    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
+    ticket = await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    assert isinstance(ticket, Ticket)
+    ticket.placed_on("decode", "d0")
+    ticket.placed_on("decode", "d0")  # told once per grant
+    await gate.resume(10.0)
+    ticket.placed_on("decode", "d1")
+    begun = [(e.role, e.engine) for e in link.sent if not isinstance(e, Ask | Requeue)]
+    assert begun == [("decode", "d0"), ("decode", "d1")]
+    assert Requeue("r1") in link.sent
+
+
+async def test_a_preempted_request_whose_deadline_passes_withdraws() -> None:
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    link.grant_requeues = False
+    req = parse_request("completions", b'{"prompt": "x", "stream": true}', "m")
+    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
+    await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    with pytest.raises(DeadlineExceeded):
+        await gate.resume(0.0)  # the gate's clock says 0: no time left
+    assert link.sent[-2:] == [Requeue("r1"), Withdraw("r1")]
+    assert gate.waiting == 0

@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 
 from narwhal.dataplane.leg import Attempt
-from narwhal.dataplane.moves import Moves, is_move
+from narwhal.dataplane.moves import PREEMPTED, Moves, is_move
 
 
 async def _stream(moves: Moves, attempt: Attempt, reading: asyncio.Event) -> str:
     """A stream's read as the streaming leg does it: registered while it reads."""
-    moves.register("d0", attempt)
+    moves.register("d0", attempt, "req-1")
     try:
         reading.set()
         await asyncio.Event().wait()  # the engine's next chunk, never coming
@@ -25,7 +25,7 @@ async def _stream(moves: Moves, attempt: Attempt, reading: asyncio.Event) -> str
         task.uncancel()
         return "moved"
     finally:
-        moves.unregister("d0", attempt)
+        moves.unregister("d0", attempt, "req-1")
 
 
 async def test_a_move_ends_the_read_and_is_taken_back() -> None:
@@ -61,3 +61,16 @@ async def test_only_the_engine_s_streams_move() -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_a_preemption_moves_one_request_s_stream_with_its_cause() -> None:
+    moves, attempt, reading = Moves(), Attempt("r1", {}), asyncio.Event()
+    task = asyncio.create_task(_stream(moves, attempt, reading))
+    await reading.wait()
+    assert moves.reading("req-1") is attempt
+    assert moves.preempt("req-2") is False  # not reading a stream
+    assert moves.preempt("req-1") is True
+    assert moves.preempt("req-1") is False  # asked once: the first cause stands
+    assert moves.move("d0") == 1 and attempt.moved == PREEMPTED
+    assert await task == "moved"
+    assert moves.reading("req-1") is None

@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from narwhal.engine.failures import FailureClass, SuccessKind
+from narwhal.flow.state import Ask, Begun, Done, Kept, Preempt, Refuse, Requeue, Start, Withdraw
 from narwhal.process.events import (
     FrameError,
     LegFailed,
@@ -17,7 +18,9 @@ from narwhal.process.events import (
     Stats,
     WorkerEvent,
     decode,
+    decode_answer,
     encode,
+    encode_answer,
 )
 
 EVENTS: list[WorkerEvent] = [
@@ -30,6 +33,12 @@ EVENTS: list[WorkerEvent] = [
     Seen(12),
     Ready(4242),
     Stats({"p0": [3, [0.1], [0.01]]}, (3, 0, 0.2)),
+    Ask("r1", "m", "c", None, 2, 10, 20, 5.0, True, 0, True),
+    Begun("r1", "decode", "d0"),
+    Done("r1", 8, 10),
+    Withdraw("r1"),
+    Requeue("r1"),
+    Kept("r1"),
 ]
 
 
@@ -59,3 +68,21 @@ def test_a_frame_that_is_no_whole_event_is_refused_with_the_reason(
 ) -> None:
     with pytest.raises(FrameError, match="^" + says.replace("(", r"\(")):
         decode(frame)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        Start("r1", 1, 0, 0.0, {"x-ratelimit-limit-requests": "10"}),
+        Refuse("r1", 1, 429, "queue_full", "full", 2, {}, 3),
+        Preempt("r1", 1, 2),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_flow_control_s_answers_reach_the_worker_whole(answer: Start | Refuse | Preempt) -> None:
+    kind, fields = encode_answer(answer)
+    wire = orjson.loads(orjson.dumps({**fields, "t": kind}))
+    got = decode_answer(wire, 1)
+    assert (type(got), got.id, got.worker) == (type(answer), "r1", 1)
+    if not isinstance(answer, Start):
+        assert got.priority == answer.priority

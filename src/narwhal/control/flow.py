@@ -21,7 +21,7 @@ from narwhal.config import Config, Role
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.store import Fleet
 from narwhal.flow.reasons import ShedReason
-from narwhal.flow.saturation import EngineView, FlowLimits
+from narwhal.flow.saturation import EngineView, FlowLimits, freed_by_one
 from narwhal.flow.state import (
     Done,
     Fence,
@@ -29,6 +29,7 @@ from narwhal.flow.state import (
     FlowEvent,
     FlowState,
     Headroom,
+    Preempt,
     Refuse,
     Resize,
     Start,
@@ -81,6 +82,8 @@ class FlowService:
         self._stale_s = config.placement.metrics_stale_s
         self.state.policy_for = config.auth.policy_for
         self.state.headroom = Headroom(config.flow.headroom_slots, config.flow.headroom_priority)
+        self.state.preempt_priority = config.flow.preempt_priority
+        self.state.frees = self.frees
 
     def reconfigure(self, config: Config) -> None:
         """A reload: the new limits and key policies; the queue resized (what it sheds is
@@ -117,7 +120,9 @@ class FlowService:
 
     def _count(self, effect: FlowEffect) -> None:
         priority = str(effect.priority)
-        if isinstance(effect, Start):
+        if isinstance(effect, Preempt):
+            self._metrics.preemptions.labels(priority).inc()
+        elif isinstance(effect, Start):
             if effect.waited_s > 0:
                 self._metrics.queue_wait.labels(priority).observe(effect.waited_s)
         elif isinstance(effect, Refuse):
@@ -154,6 +159,20 @@ class FlowService:
             ]
             free[role.value] = free_slots(views, self._limits)
         return free
+
+    def frees(self, role: str, engine_id: str) -> bool:
+        """Whether one request fewer on `engine_id` would give `role` room (`freed_by_one`):
+        preemption asks only a stream whose leaving would."""
+        fleet = self._fleet
+        engine = fleet.find(engine_id)
+        if engine is None:  # gone meanwhile
+            return False
+        config = engine.config
+        view = EngineView.of(
+            engine_id, fleet.in_flight.of(engine_id), config.max_concurrency,
+            self._loads().get(engine_id), self._clock.monotonic(), self._stale_s,
+        )  # fmt: skip
+        return freed_by_one(view, self._limits)
 
     # ---------------------------------------------------------------- the clock
     async def run(self) -> None:

@@ -24,11 +24,13 @@ from narwhal.dataplane.engine_calls import KeyOf
 from narwhal.dataplane.exchange import Answer, Exchange, Result, Streamed
 from narwhal.dataplane.leg import Attempt
 from narwhal.dataplane.migration import Continuation, Splice
+from narwhal.dataplane.moves import PREEMPTED
 from narwhal.dataplane.outcomes import (
     DeadlineExceeded,
     Interrupted,
     Moved,
     NoCapacity,
+    NotResumed,
     Saturated,
     reason,
 )
@@ -70,6 +72,7 @@ class Continuations:
         migrated: Children[Counter],
         note: Note,
         config: Config,
+        resume: Callable[[float], Awaitable[None]],
     ) -> None:
         self._fleet = fleet
         self._clock = clock
@@ -83,6 +86,7 @@ class Continuations:
         self._migrated = migrated  # streams saved or lost
         self._note = note
         self.config = config
+        self._resume = resume  # a preempted stream's wait for its turn (flow control)
 
     async def migrate(
         self,
@@ -103,6 +107,12 @@ class Continuations:
         assert record is not None
         rendered: str | None = None
         while may_continue(splice.migrations, limits, self._clock.monotonic(), deadline):
+            if cause == PREEMPTED:  # it stepped aside: it goes on when the queue says
+                try:
+                    await self._resume(deadline)
+                except (NotResumed, DeadlineExceeded) as exc:
+                    failure, cause = exc, reason(exc)
+                    break
             if splice.needs_rendered_prompt and rendered is None:
                 try:
                     rendered = await self._rendered_chat(splice, deadline)

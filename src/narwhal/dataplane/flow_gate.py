@@ -25,12 +25,25 @@ import orjson
 from narwhal.config import Config
 from narwhal.dataplane.errors import error_answer
 from narwhal.dataplane.exchange import Answer, Exchange, Result
-from narwhal.dataplane.outcomes import bad_request
+from narwhal.dataplane.migration import migratable
+from narwhal.dataplane.outcomes import DeadlineExceeded, NotResumed, bad_request
 from narwhal.dataplane.requests import BadRequest, ClientRequest, EmbeddingsRequest
 from narwhal.fleet.inflight import Choose, InFlightCounts
 from narwhal.flow.priority import PriorityError, resolve_priority
 from narwhal.flow.ratelimit import Limits
-from narwhal.flow.state import Ask, Begun, Done, FlowEffect, Refuse, Withdraw
+from narwhal.flow.state import (
+    Ask,
+    Begun,
+    Done,
+    FlowEffect,
+    FromDataPlane,
+    Kept,
+    Preempt,
+    Refuse,
+    Requeue,
+    Start,
+    Withdraw,
+)
 
 TENANT_HEADER = "x-narwhal-tenant"
 R = TypeVar("R", bound=Result | None)
@@ -40,7 +53,7 @@ CHARS_PER_TOKEN = 4  # a prompt's tokens, estimated from its text when not count
 class FlowLink(Protocol):
     """Where a data plane's flow events go: the control side, directly or over a channel."""
 
-    def send(self, event: Ask | Begun | Done | Withdraw) -> None: ...
+    def send(self, event: FromDataPlane) -> None: ...
 
 
 class Ticket:
@@ -54,10 +67,14 @@ class Ticket:
         self._placed: set[str] = set()
         self.headers = headers  # `x-ratelimit-*`, for the answer
 
-    def placed_on(self, role: str) -> None:
+    def placed_on(self, role: str, engine_id: str) -> None:
         if role not in self._placed:
             self._placed.add(role)
-            self._link.send(Begun(self.id, role))
+            self._link.send(Begun(self.id, role, engine_id))
+
+    def placed_anew(self) -> None:
+        """Preempted: its next grant's legs are placed (and told) again."""
+        self._placed.clear()
 
     def finish(self, result: R, usage_source: bytes | None) -> R:
         """Tell flow control the request ended (with its tokens, when known); an answer gets
@@ -96,7 +113,7 @@ class TicketedInFlight:
         if engine_id is not None:
             ticket = _TICKET.get()
             if ticket is not None:
-                ticket.placed_on(role)
+                ticket.placed_on(role, engine_id)
         return engine_id
 
 
@@ -142,7 +159,8 @@ class FlowGate:
         self._link = link
         self._worker = worker
         self._now = now
-        self._pending: dict[str, asyncio.Future[FlowEffect]] = {}
+        self._pending: dict[str, asyncio.Future[Start | Refuse]] = {}
+        self.preempt: Callable[[str], bool] = lambda request_id: False
         self.closed: tuple[str, str] | None = None  # (reason, message): nothing is asked
         self.reconfigure(config)
 
@@ -161,7 +179,12 @@ class FlowGate:
         return len(self._pending)
 
     def answer(self, effect: FlowEffect) -> None:
-        """The control side's answer to an ask of this data plane."""
+        """The control side's answer to an ask of this data plane, or its request that a
+        running stream step aside (`preempt`, set by the data plane: whether it did)."""
+        if isinstance(effect, Preempt):
+            if not self.preempt(effect.id):
+                self._link.send(Kept(effect.id))
+            return
         future = self._pending.pop(effect.id, None)
         if future is not None and not future.done():
             future.set_result(effect)
@@ -212,22 +235,54 @@ class FlowGate:
         wait_s = min(self._max_wait_s, deadline - self._now())
         ask = Ask(
             record.attempt_base, req.model or self._cfg.model, client, key, priority, tokens,
-            rate_tokens, wait_s, queue, self._worker,
+            rate_tokens, wait_s, queue, self._worker, queue and self._preemptible(req),
         )  # fmt: skip
-        future: asyncio.Future[FlowEffect] = asyncio.get_running_loop().create_future()
-        self._pending[ask.id] = future
-        try:
-            self._link.send(ask)
-            effect = await future
-        except asyncio.CancelledError:  # the client left: out of the queue, or its grant back
-            self._pending.pop(ask.id, None)
-            self._link.send(Withdraw(ask.id))
-            raise
+        effect = await self._wait(ask.id, ask)
         if isinstance(effect, Refuse):
             return _answer(effect)
         ticket = Ticket(ask.id, self._link, dict(effect.headers))
         _TICKET.set(ticket)
         return ticket
+
+    def _preemptible(self, req: ClientRequest | EmbeddingsRequest) -> bool:
+        """A stream that may migrate (one choice: `n` and batches are refused for streams):
+        it can step aside and go on from its last token."""
+        return (
+            isinstance(req, ClientRequest)
+            and req.stream
+            and self._cfg.serving.migrations > 0
+            and migratable(req.endpoint, req.body)
+        )
+
+    async def resume(self, deadline: float) -> None:
+        """The current request was preempted and its leg is off its engine: wait for its
+        turn to go on. `NotResumed` when it will not have one (the router stopped
+        admitting), `DeadlineExceeded` when its deadline comes first."""
+        ticket = _TICKET.get()
+        if ticket is None:
+            return  # not flow control's: nothing to wait for
+        if self.closed is not None:
+            raise NotResumed(self.closed[1])
+        ticket.placed_anew()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self._now())):
+                effect = await self._wait(ticket.id, Requeue(ticket.id))
+        except TimeoutError:  # out of the queue already (`_wait`)
+            raise DeadlineExceeded() from None
+        if isinstance(effect, Refuse):
+            raise NotResumed(effect.message)
+
+    async def _wait(self, request_id: str, event: Ask | Requeue) -> Start | Refuse:
+        """Send `event` and wait for the control side's answer to `request_id`."""
+        future: asyncio.Future[Start | Refuse] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            self._link.send(event)
+            return await future
+        except asyncio.CancelledError:  # the client left: out of the queue, or its grant back
+            self._pending.pop(request_id, None)
+            self._link.send(Withdraw(request_id))
+            raise
 
 
 def _answer(refused: Refuse) -> Answer:

@@ -20,7 +20,7 @@ class Attempt:
     started: bool = False
     handoff_failed: bool = False  # the decode refused the handoff or recomputed the prompt
     splice: Splice | None = None
-    moved: bool = False  # the operator moved the stream off its decode engine
+    moved: str | None = None  # why it was moved off its decode engine (`moves.py`)
 
 
 @dataclass(frozen=True, slots=True)

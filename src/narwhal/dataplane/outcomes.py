@@ -59,6 +59,11 @@ Settling = ClientError | NoCapacity | DeadlineExceeded
 """An attempt's outcome that ends the request whatever the policy."""
 
 
+class NotResumed(Exception):
+    """A stream preempted for a more urgent request was refused its turn to go on (the
+    router stopped admitting while it waited)."""
+
+
 def reason(exc: Exception) -> str:
     """The label of a retry or a migration step's failure."""
     if isinstance(exc, EngineFailure):
@@ -69,6 +74,8 @@ def reason(exc: Exception) -> str:
         return "deadline"
     if isinstance(exc, Moved):
         return "maintenance"
+    if isinstance(exc, NotResumed):
+        return "not_admitted"
     return "saturated"
 
 
@@ -88,6 +95,8 @@ def cause(failure: EngineFailure) -> str:
 def status_for(exc: Exception | None) -> tuple[int, str]:
     if isinstance(exc, DeadlineExceeded):
         return 504, "request deadline exceeded"
+    if isinstance(exc, NotResumed):
+        return 503, str(exc)
     if isinstance(exc, EngineFailure):
         if exc.failure_class is FailureClass.TIMEOUT or exc.timed_out:
             return 504, f"upstream timeout: {exc.detail}"

@@ -99,7 +99,7 @@ class Gate(Protocol):
 
 
 class DataPlane:
-    flow: FlowGate | None = None  # flow control's data-plane side, set by the process
+    _flow: FlowGate | None = None  # flow control's data-plane side, set by the process
 
     def __init__(
         self,
@@ -176,8 +176,19 @@ class DataPlane:
             Children(metrics.migrated_streams),
             note or _unnoted,
             config,
+            self._resume,
         )
         self._apply(config)
+
+    @property
+    def flow(self) -> FlowGate | None:
+        return self._flow
+
+    @flow.setter
+    def flow(self, gate: FlowGate) -> None:
+        """Flow control's data-plane side: asks to start, and may ask a stream to step aside."""
+        self._flow = gate
+        gate.preempt = self.preempt
 
     def _apply(self, config: Config) -> None:
         """What a config sets for new requests (at start, and on every reload)."""
@@ -224,6 +235,22 @@ class DataPlane:
         with no evidence against the engine (planned maintenance with `migrate`). Returns how
         many were moved."""
         return self._moves.move(engine_id)
+
+    def preempt(self, request_id: str) -> bool:
+        """Flow control asks the stream of `request_id` to step aside for a more urgent
+        request: cut its decode leg off, to go on once the queue grants it a slot again.
+        Only a begun stream with a migration left can (else it is `Kept`)."""
+        attempt = self._moves.reading(request_id)
+        if attempt is None or not attempt.started or attempt.splice is None:
+            return False
+        if attempt.splice.migrations >= self._limits.migrations:
+            return False
+        return self._moves.preempt(request_id)
+
+    async def _resume(self, deadline: float) -> None:
+        """A preempted stream waits for its turn to go on (`FlowGate.resume`)."""
+        if self._flow is not None:
+            await self._flow.resume(deadline)
 
     # ---------------------------------------------------------------- entry point
     async def handle(self, endpoint: Route, exchange: Exchange) -> Result:
@@ -355,7 +382,7 @@ class DataPlane:
             )
         deadline = start + self._serving.request_timeout_s
         ticket = None
-        flow = self.flow
+        flow = self._flow
         if flow is not None and flow.active:  # flow control (DESIGN §13): may it start now?
             key = exchange.record.key if exchange.record is not None else None
             admitted = await flow.admit(req, exchange, deadline, key)

@@ -20,7 +20,7 @@ from narwhal.dataplane.exchange import Exchange, Result, Streamed
 from narwhal.dataplane.leg import Attempt, Leg
 from narwhal.dataplane.legs import Legs
 from narwhal.dataplane.migration import Splice
-from narwhal.dataplane.moves import Moves, is_move
+from narwhal.dataplane.moves import MAINTENANCE, Moves, is_move
 from narwhal.dataplane.outcomes import (
     ClientGone,
     DeadlineExceeded,
@@ -66,13 +66,14 @@ class Streams:
         leg_start = last_chunk = time.perf_counter()
         resp: EngineResponse | None = None
         legs.stats.request(engine.id)
+        request = exchange.record.attempt_base if exchange.record is not None else None
         try:
             async with asyncio.timeout_at(None) as timer:
                 watch = ReadWatchdog(
                     loop, timer, first_deadline, request_deadline, serving.stream_idle_timeout_s
                 )
                 if splice is not None:
-                    self._moves.register(engine.id, attempt)
+                    self._moves.register(engine.id, attempt, request)
                 try:
                     watch.reading()
                     # Serialised here and not kept: orjson's output holds a 4 KB buffer,
@@ -117,7 +118,7 @@ class Streams:
                 finally:
                     watch.close()
                     if splice is not None:  # no move is asked for past this point
-                        self._moves.unregister(engine.id, attempt)
+                        self._moves.unregister(engine.id, attempt, request)
         except TimeoutError:
             relay.timed_out(watch.writing_expired, loop.time() >= request_deadline - 1e-3)
             if relay.phase is Phase.DEADLINE and relay.write_timed_out:
@@ -207,15 +208,18 @@ class Streams:
 
     @staticmethod
     def _moved(attempt: Attempt, engine_id: str) -> NoReturn:
-        """The operator moved this stream off its engine: retried elsewhere before its first
-        byte, continued elsewhere after it (`Interrupted`, with nothing charged)."""
+        """This stream was moved off its engine (planned maintenance, or preempted for a
+        more urgent request): retried elsewhere before its first byte, continued elsewhere
+        after it (`Interrupted`, with nothing charged)."""
         if not attempt.started:
             raise Moved()
         splice = attempt.splice
-        assert splice is not None
+        assert splice is not None and attempt.moved is not None
         splice.interrupted_s = splice.last_sent_s
-        failure = EngineFailure(FailureClass.STREAM, "moved off for planned maintenance")
-        raise Interrupted(failure, "maintenance", engine_id)
+        detail = "preempted for a more urgent request"
+        if attempt.moved == MAINTENANCE:
+            detail = "moved off for planned maintenance"
+        raise Interrupted(EngineFailure(FailureClass.STREAM, detail), attempt.moved, engine_id)
 
     async def _open_stream(
         self, exchange: Exchange, deadline: float, splice: Splice | None, now: float

@@ -11,7 +11,7 @@ blocks on a prefill engine.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from narwhal.config import FlowConfig
@@ -75,6 +75,15 @@ def full_reason(engine: EngineView, limits: FlowLimits) -> Full | None:
     if engine.kv_usage is not None and engine.kv_usage > limits.engine_kv_usage_max:
         return Full.KV_USAGE
     return None
+
+
+def freed_by_one(engine: EngineView, limits: FlowLimits) -> bool:
+    """Whether one request fewer of Narwhal's on `engine` would give it room: it is full by
+    its `max_concurrency` alone (a stream that leaves an engine full by its own queue or KV
+    cache frees nothing another request could use)."""
+    if engine.max_concurrency is None or engine.in_flight < engine.max_concurrency:
+        return False
+    return full_reason(replace(engine, in_flight=engine.max_concurrency - 1), limits) is None
 
 
 def engine_full(engine: EngineView, limits: FlowLimits) -> bool:

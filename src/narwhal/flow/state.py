@@ -9,10 +9,19 @@ model), the queue's next entries while both roles have room. Room is the engines
 a burst of asks is not granted past `engines[].max_concurrency` before the data plane's
 in-flight counts show it. A request is known here from its ask to its `Done` (or `Withdraw`,
 or its worker's loss): rate-limit settlement and output-token charges happen at `Done`.
+
+Preemption (`flow.preempt_priority`, off unless set): when the best waiting request is that
+urgent and cannot start because a role is full, the pass asks one running stream of a less
+urgent priority, placed on that role, to step aside (`Preempt`). Its data plane cuts the
+stream's decode leg off (the engine's slot frees), tells the queue (`Requeue`) and waits here
+for a new grant, ahead of every waiting request of its priority or less urgent; it then goes on
+from its last delivered token on a fresh pair (exact migration, `dataplane/migration.py`). A
+stream that cannot step aside right then (between legs, or out of migrations) says `Kept`.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +34,8 @@ from narwhal.flow.reasons import ShedReason
 from narwhal.flow.saturation import EngineView, FlowLimits, full_reason
 
 RETRY_AFTER_MAX_S = 60
+# Roles whose slot a stream holds until it ends: a preempted stream frees one of these.
+_HELD_WHILE_STREAMING = frozenset({"decode", "both"})
 _RATE_WINDOW = 64  # starts remembered for the recent start rate
 
 
@@ -47,6 +58,7 @@ class Ask:
     wait_s: float
     queue: bool = True
     worker: int = 0
+    preemptible: bool = False  # a stream that may migrate: it can step aside and go on later
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +68,7 @@ class Begun:
 
     id: str
     role: str
+    engine: str = ""  # the engine it was placed on
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +83,21 @@ class Done:
 @dataclass(frozen=True, slots=True)
 class Withdraw:
     """The client left (or its worker drains) before the request ended."""
+
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """A preempted request's leg left its engine: it waits for a new grant to go on."""
+
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A request asked to step aside could not (not reading a movable stream right now, or
+    out of migrations): it runs on, and is not asked again."""
 
     id: str
 
@@ -101,7 +129,9 @@ class Resize:
     limit: int
 
 
-FlowEvent = Ask | Begun | Done | Withdraw | WorkerLost | Tick | Fence | Resize
+FromDataPlane = Ask | Begun | Done | Withdraw | Requeue | Kept
+"""What a data plane tells flow control about its requests."""
+FlowEvent = FromDataPlane | WorkerLost | Tick | Fence | Resize
 
 
 # ---------------------------------------------------------------- answers out
@@ -142,7 +172,16 @@ class Refuse:
         return "not_admitted" if self.status == 503 else "rate_limit_exceeded"
 
 
-FlowEffect = Start | Refuse
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Ask a running stream (of `priority`) to step aside for a more urgent request."""
+
+    id: str
+    worker: int
+    priority: int
+
+
+FlowEffect = Start | Refuse | Preempt
 
 
 # ---------------------------------------------------------------- room
@@ -164,6 +203,12 @@ Room = Callable[[str], Mapping[str, float]]
 a role has no eligible engine (the request then starts, and the data plane answers it)."""
 
 
+Frees = Callable[[str, str], bool]
+"""Whether one request fewer on an engine (role, engine id) would give its role room: it is
+full by Narwhal's own count only, not by its scraped queue or KV cache. Preemption asks only
+a stream whose leaving would."""
+
+
 @dataclass(frozen=True, slots=True)
 class Headroom:
     """`slots` of each role only requests of priority `priority` or more urgent (lower) may
@@ -182,6 +227,11 @@ class _Held:
     waiting: bool
     enqueued_at: float
     unplaced: set[str] = field(default_factory=set)  # roles granted, not yet placed
+    placed: dict[str, str] = field(default_factory=dict)  # role: engine, since its last grant
+    started_at: float = 0.0  # its (last) grant
+    preemptible: bool = False  # may be asked to step aside (`Ask.preemptible`, until `Kept`)
+    preempting: bool = False  # asked to step aside; its leg not yet off its engine
+    resuming: int | None = None  # stepped aside: its turn among those waiting to go on
 
 
 class FlowState:
@@ -197,6 +247,15 @@ class FlowState:
         self._waiting_groups: dict[str, int] = {}
         self._unplaced: dict[tuple[str, str], int] = {}  # (group, role): grants not placed
         self._starts: deque[float] = deque(maxlen=_RATE_WINDOW)
+        # Preemption: the urgency that may ask for it (None: off); by group, the running
+        # streams that may step aside, those asked and not yet off, and those waiting to go
+        # on, as (priority, turn, id) in order.
+        self.preempt_priority: int | None = None
+        self.frees: Frees = lambda role, engine_id: True
+        self._running: dict[str, dict[str, _Held]] = {}
+        self._preempting: dict[str, int] = {}
+        self._resumes: dict[str, list[tuple[int, int, str]]] = {}
+        self._turns = 0
 
     # ---------------------------------------------------------------- reading
     def __contains__(self, request_id: object) -> bool:
@@ -207,7 +266,8 @@ class FlowState:
         return len(self._held)
 
     def waiting(self) -> int:
-        return len(self.queue)
+        """Requests waiting: in the queue, or preempted and waiting to go on."""
+        return len(self.queue) + sum(len(r) for r in self._resumes.values())
 
     def unplaced(self, group: str, role: str) -> int:
         return self._unplaced.get((group, role), 0)
@@ -227,17 +287,29 @@ class FlowState:
         match event:
             case Ask():
                 self._ask(event, now, room, out)
-            case Begun(id=request_id, role=role):
+            case Begun(id=request_id, role=role, engine=engine_id):
                 held = self._held.get(request_id)
-                if held is not None and role in held.unplaced:
-                    held.unplaced.discard(role)
-                    self._placed(held.ask.group, role)
+                if held is not None:
+                    held.placed[role] = engine_id
+                    if role in held.unplaced:
+                        held.unplaced.discard(role)
+                        self._placed(held.ask.group, role)
             case Done():
                 self._done(event, now)
             case Withdraw(id=request_id):
                 held = self._forget(request_id)
                 if held is not None and held.ask.key is not None:  # its tokens back
                     self.limiter.settle(held.ask.key, held.limits, held.ask.rate_tokens, 0, now)
+            case Requeue(id=request_id):
+                held = self._held.get(request_id)
+                if held is not None and held.preempting:
+                    self._requeued(held, now)
+            case Kept(id=request_id):
+                held = self._held.get(request_id)
+                if held is not None and held.preempting:
+                    self._not_preempting(held)
+                    held.preemptible = False
+                    self._not_running(held)
             case WorkerLost(worker=worker):
                 for request_id in [i for i, h in self._held.items() if h.ask.worker == worker]:
                     self._forget(request_id)
@@ -246,6 +318,11 @@ class FlowState:
                     held = self._forget(entry.id, waiting_taken=True)
                     assert held is not None
                     out.append(self._fenced(held, reason, now))
+                for resumes in list(self._resumes.values()):
+                    for _, _, request_id in list(resumes):
+                        held = self._forget(request_id)
+                        assert held is not None
+                        out.append(self._fenced(held, reason, now))
                 self.limiter = RateLimiter()
             case Resize(limit=limit):
                 for entry in self.queue.resize(limit):
@@ -274,13 +351,14 @@ class FlowState:
                 assert verdict.reason is not None
                 out.append(self._limited(ask, verdict.reason, verdict.retry_after_s, headers))
                 return
-        held = _Held(ask, limits, waiting=False, enqueued_at=now)
+        held = _Held(ask, limits, waiting=False, enqueued_at=now, preemptible=ask.preemptible)
         if not ask.queue:
             self._held[ask.id] = held
             out.append(Start(ask.id, ask.worker, ask.priority, 0.0, headers))
             return
         group = ask.group
-        if not self.queue.has_waiting(group) and self._has_room(group, room, ask.priority):
+        waits = self.queue.has_waiting(group) or group in self._resumes
+        if not waits and self._has_room(group, room, ask.priority):
             self._held[ask.id] = held
             self.queue.counters.charge(ask.client, ask.tokens)
             out.append(self._grant(held, room, now, headers))
@@ -303,21 +381,104 @@ class FlowState:
     def _pass(self, now: float, room: Room, out: list[FlowEffect]) -> None:
         for entry in self.queue.expire(now):
             out.append(self._shed(entry, ShedReason.DEADLINE, now))
-        for group in list(self._waiting_groups):
-            while (priority := self.queue.next_priority(group)) is not None:
-                if not self._has_room(group, room, priority):
+        groups = [
+            *self._waiting_groups,
+            *(g for g in self._resumes if g not in self._waiting_groups),
+        ]
+        for group in groups:
+            while True:
+                queued = self.queue.next_priority(group)
+                resumes = self._resumes.get(group)
+                # A preempted stream goes on before every waiting request as urgent as it,
+                # or less: it was running before they came.
+                resume = resumes is not None and (queued is None or resumes[0][0] <= queued)
+                priority = resumes[0][0] if resume and resumes is not None else queued
+                if priority is None:
+                    break
+                lacking = self._lacking(group, room, priority)
+                if lacking:
+                    self._preempt(group, lacking, priority, out)
                     break  # the best waiting request cannot start: nothing after it can
-                head = self.queue.next_start(group)
-                assert head is not None
-                held = self._held[head.id]
-                self._left_queue(held)
+                if resume and resumes is not None:
+                    _, _, request_id = resumes.pop(0)
+                    if not resumes:
+                        del self._resumes[group]
+                    held = self._held[request_id]
+                    held.resuming = None
+                else:
+                    head = self.queue.next_start(group)
+                    assert head is not None
+                    held = self._held[head.id]
+                    self._left_queue(held)
                 out.append(self._grant(held, room, now, {}))
 
     def _has_room(self, group: str, room: Room, priority: int) -> bool:
-        """Every role has a free slot for a request of `priority`; beyond the headroom's
-        priority, one more than the headroom (those slots wait for urgent requests)."""
+        return not self._lacking(group, room, priority)
+
+    def _lacking(self, group: str, room: Room, priority: int) -> set[str]:
+        """The roles without a free slot for a request of `priority`: beyond the headroom's
+        priority, a role needs one more than the headroom (those slots wait for urgent
+        requests)."""
         kept = self.headroom.slots if priority > self.headroom.priority else 0
-        return all(free > self.unplaced(group, role) + kept for role, free in room(group).items())
+        return {
+            role for role, free in room(group).items() if free <= self.unplaced(group, role) + kept
+        }
+
+    # ---------------------------------------------------------------- preemption
+    def _preempt(self, group: str, lacking: set[str], priority: int, out: list[FlowEffect]) -> None:
+        """Ask one running stream of a less urgent priority to step aside for a waiting
+        request of `priority`, when that is urgent enough, none asked is still on its engine,
+        and the roles it lacks are ones a stream holds for its whole length (a prefill's slot
+        frees on its own within the prefill)."""
+        if (
+            self.preempt_priority is None
+            or priority > self.preempt_priority
+            or self._preempting.get(group)
+            or not lacking <= _HELD_WHILE_STREAMING
+        ):
+            return
+        frees = self.frees
+        victims = [
+            h
+            for h in self._running.get(group, {}).values()
+            if h.ask.priority > priority
+            and not h.preempting
+            and all(role in h.placed and frees(role, h.placed[role]) for role in lacking)
+        ]
+        if not victims:
+            return
+        # The least urgent; among those, the latest started (the least to compute again).
+        victim = max(victims, key=lambda h: (h.ask.priority, h.started_at))
+        victim.preempting = True
+        self._preempting[group] = self._preempting.get(group, 0) + 1
+        out.append(Preempt(victim.ask.id, victim.ask.worker, victim.ask.priority))
+
+    def _requeued(self, held: _Held, now: float) -> None:
+        """A preempted stream is off its engine: it waits for a grant to go on."""
+        self._not_preempting(held)
+        self._not_running(held)
+        group = held.ask.group
+        self._turns += 1
+        held.resuming = self._turns
+        held.enqueued_at = now
+        bisect.insort(
+            self._resumes.setdefault(group, []), (held.ask.priority, self._turns, held.ask.id)
+        )
+
+    def _not_running(self, held: _Held) -> None:
+        """Out of the streams that may be asked to step aside."""
+        running = self._running.get(held.ask.group)
+        if running is not None and running.pop(held.ask.id, None) is not None and not running:
+            del self._running[held.ask.group]
+
+    def _not_preempting(self, held: _Held) -> None:
+        held.preempting = False
+        group = held.ask.group
+        left = self._preempting[group] - 1
+        if left:
+            self._preempting[group] = left
+        else:
+            del self._preempting[group]
 
     def _grant(self, held: _Held, room: Room, now: float, headers: Mapping[str, str]) -> Start:
         group = held.ask.group
@@ -325,6 +486,10 @@ class FlowState:
             held.unplaced.add(role)
             self._unplaced[(group, role)] = self.unplaced(group, role) + 1
         self._starts.append(now)
+        held.started_at = now
+        held.placed = {}
+        if held.preemptible:
+            self._running.setdefault(group, {})[held.ask.id] = held
         waited = now - held.enqueued_at
         return Start(held.ask.id, held.ask.worker, held.ask.priority, waited, headers)
 
@@ -352,6 +517,15 @@ class FlowState:
         held = self._held.pop(request_id, None)
         if held is None:
             return None
+        group = held.ask.group
+        if held.preempting:
+            self._not_preempting(held)
+        self._not_running(held)
+        if held.resuming is not None:
+            resumes = self._resumes[group]
+            resumes.remove((held.ask.priority, held.resuming, request_id))
+            if not resumes:
+                del self._resumes[group]
         if held.waiting:
             if not waiting_taken:
                 self.queue.remove(request_id)

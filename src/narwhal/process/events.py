@@ -14,7 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
-from narwhal.flow.state import Ask, Begun, Done, FlowEffect, Refuse, Start, Withdraw
+from narwhal.flow.state import (
+    Ask,
+    Begun,
+    Done,
+    FlowEffect,
+    Kept,
+    Preempt,
+    Refuse,
+    Requeue,
+    Start,
+    Withdraw,
+)
 
 
 class FrameError(ValueError):
@@ -95,7 +106,19 @@ class Stats:
 
 
 WorkerEvent = (
-    LegFailed | LegSucceeded | Noted | Placed | Seen | Ready | Stats | Ask | Begun | Done | Withdraw
+    LegFailed
+    | LegSucceeded
+    | Noted
+    | Placed
+    | Seen
+    | Ready
+    | Stats
+    | Ask
+    | Begun
+    | Done
+    | Withdraw
+    | Requeue
+    | Kept
 )
 
 KINDS: dict[type[Any], str] = {
@@ -107,11 +130,14 @@ KINDS: dict[type[Any], str] = {
     Ready: "ready",
     Stats: "stats",
     # Flow control (DESIGN §13, flow/state.py): a request asks to start, its legs are placed,
-    # it ends, or its client left while it waited.
+    # it ends, or its client left while it waited; a preempted stream waits to go on, or
+    # could not step aside.
     Ask: "ask",
     Begun: "begun",
     Done: "done",
     Withdraw: "withdraw",
+    Requeue: "requeue",
+    Kept: "kept",
 }
 _BY_KIND = {kind: cls for cls, kind in KINDS.items()}
 
@@ -152,9 +178,12 @@ def decode(frame: Mapping[str, Any]) -> WorkerEvent:
 
 # ---------------------------------------------------------------- flow control's answers
 def encode_answer(effect: FlowEffect) -> tuple[str, dict[str, Any]]:
-    """A flow-control answer to a worker (`start` or `refuse`), by its request id."""
+    """A flow-control answer to a worker (`start` or `refuse`), or its request that a stream
+    step aside (`preempt`), by its request id."""
     if isinstance(effect, Start):
         return "start", {"id": effect.id, "headers": dict(effect.headers)}
+    if isinstance(effect, Preempt):
+        return "preempt", {"id": effect.id, "priority": effect.priority}
     return "refuse", {
         "id": effect.id, "status": effect.status, "reason": effect.reason,
         "message": effect.message, "retry_after_s": effect.retry_after_s,
@@ -163,10 +192,12 @@ def encode_answer(effect: FlowEffect) -> tuple[str, dict[str, Any]]:
 
 
 def decode_answer(frame: Mapping[str, Any], worker: int) -> FlowEffect:
-    """The answer a `start` or `refuse` frame carries (FrameError when not whole)."""
+    """What a `start`, `refuse` or `preempt` frame carries (FrameError when not whole)."""
     try:
         if frame["t"] == "start":
             return Start(frame["id"], worker, 0, 0.0, frame["headers"])
+        if frame["t"] == "preempt":
+            return Preempt(frame["id"], worker, int(frame["priority"]))
         return Refuse(
             frame["id"], worker, int(frame["status"]), frame["reason"], frame["message"],
             frame["retry_after_s"], frame["headers"], int(frame["priority"]),

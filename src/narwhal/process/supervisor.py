@@ -37,7 +37,16 @@ from narwhal.fleet.codec import encode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
-from narwhal.flow.state import Ask, Begun, Done, FlowEffect, Withdraw, WorkerLost
+from narwhal.flow.state import (
+    Ask,
+    Begun,
+    Done,
+    FlowEffect,
+    Kept,
+    Requeue,
+    Withdraw,
+    WorkerLost,
+)
 from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import (
@@ -386,7 +395,7 @@ class Supervisor:
             case Ask():
                 if self._flow is not None:  # the worker is the channel's, whatever it says
                     self._flow.handle(replace(event, worker=w.index))
-            case Begun() | Done() | Withdraw():
+            case Begun() | Done() | Withdraw() | Requeue() | Kept():
                 if self._flow is not None:
                     self._flow.handle(event)
             case Ready(pid=pid):

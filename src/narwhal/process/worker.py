@@ -38,7 +38,7 @@ from narwhal.engine.transport import EngineClient
 from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
-from narwhal.flow.state import Ask, Begun, Done, Withdraw
+from narwhal.flow.state import FromDataPlane
 from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import Noted, Placed, Ready, Seen, Stats, decode_answer
@@ -74,7 +74,7 @@ class _ChannelLink:
     def __init__(self, channel: Channel) -> None:
         self._channel = channel
 
-    def send(self, event: Ask | Begun | Done | Withdraw) -> None:
+    def send(self, event: FromDataPlane) -> None:
         self._channel.send_event(event)
 
 
@@ -169,7 +169,7 @@ class Worker:
             self.gate.data = GateData.from_json(frame["gate"])
         elif kind == "ack":
             self.reporter.acked(frame["upto"])
-        elif kind in ("start", "refuse"):  # flow control's answer to an ask
+        elif kind in ("start", "refuse", "preempt"):  # flow control's answer, or a preemption
             self.flow.answer(decode_answer(frame, self.index))
         elif kind == "config":  # reloaded (control/reload.py)
             self.config = self._own(frame["config"])

@@ -263,11 +263,19 @@ class FlowMetrics:
             ["key"],
             registry=r,
         )
+        self.preemptions = Counter(
+            "narwhal_preemptions",
+            "Running streams flow control asked to step aside for a more urgent request, by "
+            "their priority (flow.preempt_priority)",
+            ["priority"],
+            registry=r,
+        )
         # Exported from the start (a scrape shows 0, not nothing): the default priority, and
         # every reason a request is shed.
         self._depths: set[str] = {"0"}
         self.queue_depth.labels("0").set(0)
         self.queue_wait.labels("0")
+        self.preemptions.labels("0")
         for reason in SHED_REASONS:
             self.shed.labels(reason)
 
