@@ -14,7 +14,7 @@ Preemption (`flow.preempt_priority`, off unless set): when the best waiting requ
 urgent and cannot start because a role is full, the pass asks one running stream of a less
 urgent priority, placed on that role, to step aside (`Preempt`). Its data plane cuts the
 stream's decode leg off (the engine's slot frees), tells the queue (`Requeue`) and waits here
-for a new grant, ahead of every waiting request of its priority or less urgent; it then goes on
+for a new grant, right behind the requests as urgent as the one it stepped aside for; it goes on
 from its last delivered token on a fresh pair (exact migration, `dataplane/migration.py`). A
 stream that cannot step aside right then (between legs, or out of migrations) says `Kept`.
 """
@@ -231,7 +231,9 @@ class _Held:
     started_at: float = 0.0  # its (last) grant
     preemptible: bool = False  # may be asked to step aside (`Ask.preemptible`, until `Kept`)
     preempting: bool = False  # asked to step aside; its leg not yet off its engine
-    resuming: int | None = None  # stepped aside: its turn among those waiting to go on
+    preempted: int = 0  # times it stepped aside
+    stepped_for: int = 0  # the priority of the request it last stepped aside for
+    resuming: tuple[int, int] | None = None  # stepped aside: (rank, turn) to go on
 
 
 class FlowState:
@@ -249,7 +251,7 @@ class FlowState:
         self._starts: deque[float] = deque(maxlen=_RATE_WINDOW)
         # Preemption: the urgency that may ask for it (None: off); by group, the running
         # streams that may step aside, those asked and not yet off, and those waiting to go
-        # on, as (priority, turn, id) in order.
+        # on, as (rank, turn, id) in order.
         self.preempt_priority: int | None = None
         self.frees: Frees = lambda role, engine_id: True
         self._running: dict[str, dict[str, _Held]] = {}
@@ -389,15 +391,18 @@ class FlowState:
             while True:
                 queued = self.queue.next_priority(group)
                 resumes = self._resumes.get(group)
-                # A preempted stream goes on before every waiting request as urgent as it,
-                # or less: it was running before they came.
-                resume = resumes is not None and (queued is None or resumes[0][0] <= queued)
+                # A stream that stepped aside goes on right after the requests as urgent as
+                # the one it stepped aside for: it began before every one waiting, and only
+                # lent its slot (ranked by its own priority, a busy fleet's more urgent
+                # traffic would keep it waiting past its deadline with its client mid-answer).
+                resume = resumes is not None and (queued is None or resumes[0][0] < queued)
                 priority = resumes[0][0] if resume and resumes is not None else queued
                 if priority is None:
                     break
                 lacking = self._lacking(group, room, priority)
                 if lacking:
-                    self._preempt(group, lacking, priority, out)
+                    if not resume:  # one stepped aside never makes another step aside
+                        self._preempt(group, lacking, priority, out)
                     break  # the best waiting request cannot start: nothing after it can
                 if resume and resumes is not None:
                     _, _, request_id = resumes.pop(0)
@@ -447,9 +452,12 @@ class FlowState:
         ]
         if not victims:
             return
-        # The least urgent; among those, the latest started (the least to compute again).
-        victim = max(victims, key=lambda h: (h.ask.priority, h.started_at))
+        # The least urgent; then the one that stepped aside the fewest times; then the latest
+        # started (the least to compute again).
+        victim = max(victims, key=lambda h: (h.ask.priority, -h.preempted, h.started_at))
         victim.preempting = True
+        victim.preempted += 1
+        victim.stepped_for = priority
         self._preempting[group] = self._preempting.get(group, 0) + 1
         out.append(Preempt(victim.ask.id, victim.ask.worker, victim.ask.priority))
 
@@ -459,11 +467,9 @@ class FlowState:
         self._not_running(held)
         group = held.ask.group
         self._turns += 1
-        held.resuming = self._turns
+        held.resuming = (held.stepped_for, self._turns)
         held.enqueued_at = now
-        bisect.insort(
-            self._resumes.setdefault(group, []), (held.ask.priority, self._turns, held.ask.id)
-        )
+        bisect.insort(self._resumes.setdefault(group, []), (*held.resuming, held.ask.id))
 
     def _not_running(self, held: _Held) -> None:
         """Out of the streams that may be asked to step aside."""
@@ -523,7 +529,7 @@ class FlowState:
         self._not_running(held)
         if held.resuming is not None:
             resumes = self._resumes[group]
-            resumes.remove((held.ask.priority, held.resuming, request_id))
+            resumes.remove((*held.resuming, request_id))
             if not resumes:
                 del self._resumes[group]
         if held.waiting:
