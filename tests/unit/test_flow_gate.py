@@ -13,7 +13,7 @@ from narwhal.dataplane.exchange import Exchange
 from narwhal.dataplane.flow_gate import FlowGate, Ticket
 from narwhal.dataplane.outcomes import DeadlineExceeded
 from narwhal.dataplane.record import RequestRecord
-from narwhal.dataplane.requests import parse_request
+from narwhal.dataplane.requests import ClientRequest, parse_request
 from narwhal.flow.state import Ask, FromDataPlane, Kept, Preempt, Requeue, Start, Withdraw
 from tests.support.fake_exchange import FakeExchange
 
@@ -48,6 +48,13 @@ class StartAtOnce:
             self.gate.answer(Start(event.id, 0, event.priority, 0.0))
 
 
+async def admitted(gate: FlowGate, body: bytes) -> tuple[object, ClientRequest]:
+    """`body` as a completions request, through `gate.admit`: (what it answered, the request)."""
+    req = parse_request("completions", body, "m")
+    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
+    return await gate.admit(req, cast(Exchange, exchange), 10.0, None), req
+
+
 def gate_for(cfg: Config) -> tuple[FlowGate, StartAtOnce]:
     link = StartAtOnce()
     gate = FlowGate(cfg, link, 0, lambda: 0.0)
@@ -73,9 +80,7 @@ def test_the_gate_is_active_only_with_flow_control_or_a_rate_limited_key(
 
 async def test_with_the_queue_on_priority_is_read_and_not_sent_to_the_engine() -> None:
     gate, link = gate_for(config(serving={"policy": "bounded"}))
-    req = parse_request("completions", b'{"prompt": "x", "priority": 3}', "m")
-    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
-    ticket = await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    ticket, req = await admitted(gate, b'{"prompt": "x", "priority": 3}')
     assert isinstance(ticket, Ticket)
     assert [a.priority for a in link.asks] == [3]
     assert "priority" not in req.body
@@ -83,9 +88,8 @@ async def test_with_the_queue_on_priority_is_read_and_not_sent_to_the_engine() -
 
 async def test_with_the_queue_off_priority_goes_to_the_engine_as_sent() -> None:
     gate, link = gate_for(config(flow={"enabled": False}))
-    req = parse_request("completions", b'{"prompt": "x", "priority": 3}', "m")
-    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
-    assert await gate.admit(req, cast(Exchange, exchange), 10.0, None) is None
+    answer, req = await admitted(gate, b'{"prompt": "x", "priority": 3}')
+    assert answer is None
     assert link.asks == []
     assert req.body["priority"] == 3
 
@@ -102,12 +106,10 @@ async def test_only_a_stream_that_may_migrate_is_preemptible(
     body: bytes, preemptible: bool
 ) -> None:
     gate, link = gate_for(config(serving={"policy": "bounded"}))
-    req = parse_request("completions", body, "m")
-    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
-    await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    await admitted(gate, body)
     assert [a.preemptible for a in link.asks] == [preemptible]
     gate, link = gate_for(config(serving={"policy": "bounded", "migration_limit": 0}))
-    await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    await admitted(gate, body)
     assert [a.preemptible for a in link.asks] == [False]
 
 
@@ -123,9 +125,7 @@ async def test_a_preemption_is_kept_when_the_data_plane_cannot_step_aside() -> N
 
 async def test_a_preempted_request_requeues_and_its_legs_are_placed_anew() -> None:
     gate, link = gate_for(config(serving={"policy": "bounded"}))
-    req = parse_request("completions", b'{"prompt": "x", "stream": true}', "m")
-    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
-    ticket = await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    ticket, _ = await admitted(gate, b'{"prompt": "x", "stream": true}')
     assert isinstance(ticket, Ticket)
     ticket.placed_on("decode", "d0")
     ticket.placed_on("decode", "d0")  # told once per grant
@@ -139,9 +139,7 @@ async def test_a_preempted_request_requeues_and_its_legs_are_placed_anew() -> No
 async def test_a_preempted_request_whose_deadline_passes_withdraws() -> None:
     gate, link = gate_for(config(serving={"policy": "bounded"}))
     link.grant_requeues = False
-    req = parse_request("completions", b'{"prompt": "x", "stream": true}', "m")
-    exchange = FakeExchange(record=RequestRecord("r1", "completions", "r1"))
-    await gate.admit(req, cast(Exchange, exchange), 10.0, None)
+    await admitted(gate, b'{"prompt": "x", "stream": true}')
     with pytest.raises(DeadlineExceeded):
         await gate.resume(0.0)  # the gate's clock says 0: no time left
     assert link.sent[-2:] == [Requeue("r1"), Withdraw("r1")]

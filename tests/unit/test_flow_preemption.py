@@ -4,7 +4,6 @@ waits, ahead of its own priority, and goes on when a slot frees."""
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 
@@ -22,6 +21,7 @@ from narwhal.flow.state import (
     Withdraw,
     WorkerLost,
 )
+from tests.support.agenda import Agenda
 from tests.unit.test_flow_state import Fleet, ask, ids, policies
 
 
@@ -214,14 +214,8 @@ def run_bench_shape(preempt: bool, seed: int = 5) -> tuple[list[float], float, l
     state.queue.resize(1024)
     state.preempt_priority = 0 if preempt else None
     fleet = Fleet(prefill=math.inf, decode=slots)
-    events: list[tuple[float, int, str, str]] = []
-    seq = 0
-
-    def push(at: float, kind: str, what: str) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (at, seq, kind, what))
-
+    agenda: Agenda[str] = Agenda()
+    push = agenda.push
     for priority, share in rates.items():
         push(rng.expovariate(share * capacity_per_s), "arrive", str(priority))
     left: dict[str, float] = {}  # request: service still to give
@@ -262,18 +256,18 @@ def run_bench_shape(preempt: bool, seed: int = 5) -> tuple[list[float], float, l
                 paused[effect.id] = now
                 apply(state.step(Requeue(effect.id), now, fleet))
 
-    while events:
-        now, _, kind, what = heapq.heappop(events)
+    while (event := agenda.pop()) is not None:
+        now, kind, what = event
         if now > run_s:
             break
         if kind == "arrive":
             priority = int(what)
             push(now + rng.expovariate(rates[priority] * capacity_per_s), "arrive", what)
-            rid = f"r{seq}"
+            rid = f"r{agenda.count}"
             left[rid] = rng.randint(8, 24) * itl_s
             if now >= warmup_s:
                 arrived[rid] = now
-            out = state.step(ask(seq, priority, wait_s=5.0, preemptible=True), now, fleet)
+            out = state.step(ask(agenda.count, priority, wait_s=5.0, preemptible=True), now, fleet)
         elif what in until and until[what][1] == now:  # not a done of a preempted run
             begun, _ = until.pop(what)
             useful(begun, what)

@@ -5,11 +5,11 @@ the same arrivals, gives the heavy client most of them (the check can fail)."""
 
 from __future__ import annotations
 
-import heapq
 import random
 from dataclasses import dataclass
 
 from narwhal.flow.queue import Entry, WaitQueue
+from tests.support.agenda import Agenda
 
 SLOTS = 8
 QUEUE_LIMIT = 64
@@ -39,14 +39,8 @@ def run(fair: bool, seed: int = 7) -> dict[str, int]:
     mean_s = 0.001 * 250 + 0.02 * 110
     capacity_per_s = SLOTS / mean_s
     rates = {"light1": 0.4, "light2": 0.4, "light3": 0.4, "heavy": 4.0}  # x capacity
-    events: list[tuple[float, int, str, str]] = []
-    seq = 0
-
-    def push(at: float, kind: str, what: str) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (at, seq, kind, what))
-
+    agenda: Agenda[str] = Agenda()
+    push = agenda.push
     for client, share in rates.items():
         push(rng.expovariate(share * capacity_per_s), "arrive", client)
     q = WaitQueue(QUEUE_LIMIT)
@@ -61,8 +55,8 @@ def run(fair: bool, seed: int = 7) -> dict[str, int]:
             busy += 1
             push(now + requests[e.id].service_s, "done", e.id)
 
-    while events:
-        now, _, kind, what = heapq.heappop(events)
+    while (event := agenda.pop()) is not None:
+        now, kind, what = event
         if now > RUN_S:
             break
         q.expire(now)
@@ -70,7 +64,7 @@ def run(fair: bool, seed: int = 7) -> dict[str, int]:
             client = what
             push(now + rng.expovariate(rates[client] * capacity_per_s), "arrive", client)
             req = Request(client, rng.randint(100, 400), rng.randint(20, 200))
-            rid = f"r{seq}"
+            rid = f"r{agenda.count}"
             requests[rid] = req
             queued_as = client if fair else "everyone"
             q.admit(Entry(rid, queued_as, 0, req.prompt, now, now + MAX_WAIT_S), now)
@@ -107,14 +101,8 @@ def run_priorities(seed: int = 3) -> tuple[dict[tuple[int, int], int], dict[tupl
     rates = {(k, p): r for k in range(4) for p, r in ((0, 0.075), (1, 0.1), (2, 0.1))}
     rates[0, 2] = 1.0
     rng = random.Random(seed)
-    events: list[tuple[float, int, str, object]] = []
-    seq = 0
-
-    def push(at: float, kind: str, what: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (at, seq, kind, what))
-
+    agenda: Agenda[object] = Agenda()
+    push = agenda.push
     for cls, share in rates.items():
         push(rng.expovariate(share * capacity_per_s), "arrive", cls)
     q = WaitQueue(1024)
@@ -122,8 +110,8 @@ def run_priorities(seed: int = 3) -> tuple[dict[tuple[int, int], int], dict[tupl
     asked: dict[tuple[int, int], int] = dict.fromkeys(rates, 0)
     served: dict[tuple[int, int], int] = dict.fromkeys(rates, 0)
     busy, now = 0, 0.0
-    while events:
-        now, _, kind, what = heapq.heappop(events)
+    while (event := agenda.pop()) is not None:
+        now, kind, what = event
         if now > run_s:
             break
         q.expire(now)
@@ -131,7 +119,7 @@ def run_priorities(seed: int = 3) -> tuple[dict[tuple[int, int], int], dict[tupl
             cls = what
             assert isinstance(cls, tuple)
             push(now + rng.expovariate(rates[cls] * capacity_per_s), "arrive", cls)
-            rid = f"r{seq}"
+            rid = f"r{agenda.count}"
             classes[rid] = cls
             asked[cls] += now >= warmup_s
             q.admit(Entry(rid, f"key{cls[0]}", cls[1], 10, now, now + max_wait_s), now)
