@@ -120,14 +120,17 @@ def hold_names(state: dict[str, Any]) -> list[str]:
 async def fail_until_held(
     http: aiohttp.ClientSession, rr: RunningRouter, engine_id: str, *, stream: bool = False
 ) -> list[int]:
-    """Send requests one at a time until `engine_id` carries an inference-verification hold."""
+    """Send bursts until `engine_id` carries an inference-verification hold. Each burst starts
+    right after a monitor pass: the pass after a hold is placed probes the engine, and a
+    passing probe (the fault spent) releases it, so the hold must be seen, and judged, within
+    the same interval. On a loaded run, two bursts and a look once spanned a pass: the hold
+    came and went unseen, the fault was spent, and 24 streams later d1 was "never held"."""
     statuses: list[int] = []
     for _ in range(12):
+        await right_after_a_pass(rr)
         statuses += await burst(http, rr, stream=stream)
         if "inference_verification" in hold_names(await engine(http, rr, engine_id)):
             return statuses
-    # Not understood (a loaded run, once: 24 streams, all 200, d1 never seen held): say what
-    # the router knew of the engine, so the next occurrence tells why.
     state = await engine(http, rr, engine_id)
     raise AssertionError(f"{engine_id} was never held; statuses {statuses}; its state {state}")
 
