@@ -254,11 +254,18 @@ async def test_the_admin_flow_document_and_narwhal_status_show_the_waiting_queue
         for i, p in enumerate([0, 0, 3])
     ]
 
+    seen: list[Any] = []
+
     async def three_waiting() -> Any:
         doc = await document()
+        seen.append(doc)
         return doc if doc["waiting"] == 3 else None
 
-    doc = await eventually(three_waiting, what="three waiting in /admin/flow")
+    try:
+        doc = await eventually(three_waiting, what="three waiting in /admin/flow")
+    except AssertionError as exc:  # once, on a loaded run, with workers: say what was seen
+        done = [t.done() for t in (blocker, *tasks)]
+        raise AssertionError(f"{exc}; last documents {seen[-2:]}; answered {done}") from None
     assert doc["enabled"] is True and doc["running"] == 1
     assert [(p["priority"], p["waiting"]) for p in doc["priorities"]] == [(0, 2), (3, 1)]
     assert all(p["oldest_wait_s"] > 0 for p in doc["priorities"])

@@ -106,11 +106,18 @@ async def test_a_takeover_while_the_queue_is_full_answers_every_held_request_503
         await eventually(running, what="the blocker running on router-a")
         held = [asyncio.create_task(_complete(session, a, f"held{i}")) for i in range(3)]
 
+        seen: list[Any] = []
+
         async def full() -> Any:
             doc = await flow_of(a)
+            seen.append(doc)
             return doc if doc and doc["waiting"] == QUEUE_LIMIT else None
 
-        before = await eventually(full, what="router-a's queue full")
+        try:
+            before = await eventually(full, what="router-a's queue full")
+        except AssertionError as exc:  # once, on a loaded run: say what was seen
+            done = [t.done() for t in (blocker, *held)]
+            raise AssertionError(f"{exc}; last documents {seen[-2:]}; answered {done}") from None
         assert before["refused"]["not_admitted"] == 0, before
         # The takeover: router-a frozen with its queue full, router-b takes the lease.
         flow_pair.freeze_outside_store_ops(a)

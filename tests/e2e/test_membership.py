@@ -155,7 +155,9 @@ async def test_a_removed_engine_is_forgotten_only_once_its_stream_ended(
     async with http.post(rr.url + "/admin/engines", json=_spec("d1", sims[2], "decode")) as r:
         assert r.status == 201
     await _in_service(http, rr, "d1")
-    body = {"model": "demo-model", "prompt": "long", "max_tokens": 100, "stream": True}
+    # 3 s of stream at the sims' 5 ms: a look at the engines and the DELETE must come while it
+    # runs (0.5 s was once too short on a loaded host: the removal found it ended, 200).
+    body = {"model": "demo-model", "prompt": "long", "max_tokens": 600, "stream": True}
     for force in (False, True):
         async with http.post(rr.url + "/v1/completions", json=body) as stream:
             await stream.content.readuntil(b"\n\n")
