@@ -33,6 +33,7 @@ import pytest
 import yaml
 from bench.suites import router_bound
 
+from narwhal.process.supervisor import CONTROL_WINDOW_MIN_S
 from tests.support.etcd import free_port
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
@@ -498,8 +499,8 @@ async def test_a_stopped_control_process_makes_the_workers_refuse(
                 async with http.get(url + "/ready") as r:
                     return r.status == 503 and await r.text() == "control process lost"
 
-            # One monitor interval, at least 0.5 s, then a heartbeat's margin.
-            await eventually(refused, timeout_s=1.5, what="/ready: control process lost")
+            # One monitor interval, at least 2 s (CONTROL_WINDOW_MIN_S), then a margin.
+            await eventually(refused, timeout_s=3.5, what="/ready: control process lost")
             async with http.post(url + "/v1/completions", json=BODY) as r:
                 assert r.status == 503
                 assert "control process lost" in (await r.json())["error"]["message"]
@@ -528,7 +529,7 @@ async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
     router_process: _RouterProcess,
 ) -> None:
     """A request whose body is still arriving when SIGTERM comes keeps its connection through
-    the drain. When its body ends, well past the control window (0.5 s), it is refused as
+    the drain. When its body ends, well past the control window (2 s), it is refused as
     `draining`: the control process keeps its heartbeats going while the workers drain, so
     they never take it for lost."""
     await _worker_pids(router_process.url)
@@ -550,8 +551,8 @@ async def test_a_draining_worker_says_draining_for_as_long_as_the_drain_lasts(
         router_process.signal(signal.SIGTERM)
         await eventually(lambda: _refused(router_process.port), what="draining: port closed")
         # Time itself is what is tested here: the worker's trust in its control process
-        # lapses 0.5 s after the last heartbeat, so wait out twice that.
-        await asyncio.sleep(1.0)
+        # lapses CONTROL_WINDOW_MIN_S after the last heartbeat, so wait out more than that.
+        await asyncio.sleep(CONTROL_WINDOW_MIN_S * 1.5)
         writer.write(body[10:])
         await writer.drain()
         async with asyncio.timeout(5):
@@ -589,7 +590,7 @@ async def test_the_first_worker_to_listen_stays_ready_while_the_other_starts(
 ) -> None:
     """Worker 1 starts 3 s late (as on a loaded host); worker 0, listening first, serves alone
     meanwhile and its `/ready` stays 200: the control process's heartbeats run during start-up,
-    so worker 0's trust in it (0.5 s) never lapses into `control process lost`."""
+    so worker 0's trust in it (2 s) never lapses into `control process lost`."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_SLOW_WORKER_1.format(delay_s=3.0))

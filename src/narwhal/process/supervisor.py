@@ -82,10 +82,19 @@ READY_TIMEOUT_S = 30.0
 _JSON_FORMATTER = "JsonFormatter"
 
 
+CONTROL_WINDOW_MIN_S = 2.0
+"""The least a worker trusts the control process's last word. A dead control process is seen
+at once (the channel's end); this covers only one that is alive and silent, and on a loaded
+host (a container's CPU quota throttling it, GC, a busy scheduler) that lasts longer than one
+might think: with a floor of 0.5 s, workers refused requests as `control process lost` from
+a control process that was merely slow, on a 2-core host running the test suite. Fencing does
+not rest on it (the lease's window is judged on the worker's own clock)."""
+
+
 def control_window_s(config: Config) -> float:
     """How long a worker trusts the control process's last word: one monitor interval, at
-    least 0.5 s (a scheduler or GC pause of a loaded host is not a lost control process)."""
-    return max(config.controller.monitor_interval_s, 0.5)
+    least `CONTROL_WINDOW_MIN_S`."""
+    return max(config.controller.monitor_interval_s, CONTROL_WINDOW_MIN_S)
 
 
 def restart_delay_s(recent_exits: int) -> float:
