@@ -54,7 +54,7 @@ from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.readiness import fleet_ready_reason
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
-from narwhal.flow.state import Tick
+from narwhal.flow.messages import Tick
 from narwhal.placement.load import EngineLoad
 from narwhal.process.forward import ControlForward
 from narwhal.process.h1_server import H1Server, Handler, LocalConnections, client_limits

@@ -14,7 +14,7 @@ from narwhal.dataplane.flow_gate import FlowGate, Ticket
 from narwhal.dataplane.outcomes import DeadlineExceeded
 from narwhal.dataplane.record import RequestRecord
 from narwhal.dataplane.requests import ClientRequest, parse_request
-from narwhal.flow.state import Ask, FromDataPlane, Kept, Preempt, Requeue, Start, Withdraw
+from narwhal.flow.messages import Ask, FromDataPlane, Kept, Preempt, Requeue, Start, Withdraw
 from tests.support.fake_exchange import FakeExchange
 
 KEY = "a" * 12  # a key's label

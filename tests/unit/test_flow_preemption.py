@@ -7,11 +7,10 @@ from __future__ import annotations
 import math
 import random
 
-from narwhal.flow.state import (
+from narwhal.flow.messages import (
     Begun,
     Done,
     Fence,
-    FlowState,
     Kept,
     Preempt,
     Refuse,
@@ -21,6 +20,7 @@ from narwhal.flow.state import (
     Withdraw,
     WorkerLost,
 )
+from narwhal.flow.state import FlowState
 from tests.support.agenda import Agenda
 from tests.unit.test_flow_state import Fleet, ask, ids, policies
 
@@ -55,7 +55,7 @@ def test_off_by_default_an_urgent_request_waits_for_a_slot() -> None:
 
 def test_an_urgent_request_preempts_the_least_urgent_latest_stream_then_goes_first() -> None:
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 1, 2, 2)  # r0 (1, oldest), r1 (2), r2 (2, latest)
     out = state.step(ask(9, 0), 5.0, fleet)
     assert preempts(out) == ["r2"]
@@ -86,7 +86,7 @@ def test_a_stepped_aside_stream_goes_on_right_behind_the_urgency_it_lent_its_slo
     of a priority-1 one that waited longer; and the last to be asked again."""
     state = policies()
     state.queue.resize(16)
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2, 2)  # r0, r1, r2
 
     def placed(request_id: str, at: float) -> None:
@@ -115,14 +115,14 @@ def test_a_stepped_aside_stream_goes_on_right_behind_the_urgency_it_lent_its_slo
 
 def test_only_less_urgent_preemptible_streams_holding_the_lacking_role_are_asked() -> None:
     state = policies()
-    state.preempt_priority = 1
+    state.preemptions.priority = 1
     # Equal priority is never preempted; a request less urgent than preempt_priority asks nothing.
     fleet = full_decode(state, 1)
     assert preempts(state.step(ask(8, 1), 1.0, fleet)) == []
     assert preempts(state.step(ask(9, 2), 1.1, fleet)) == []
     # A stream that cannot migrate is not asked.
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = Fleet(prefill=8, decode=1)
     assert ids(state.step(ask(0, 2), 0.0, fleet), Start) == ["r0"]
     state.step(Begun("r0", "decode", "d0"), 0.0, fleet)
@@ -130,13 +130,13 @@ def test_only_less_urgent_preemptible_streams_holding_the_lacking_role_are_asked
     assert preempts(state.step(ask(9, 0), 1.0, fleet)) == []
     # A full prefill role: a prefill frees on its own, no stream is asked.
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2)
     fleet.free = {"prefill": 0, "decode": 0}
     assert preempts(state.step(ask(9, 0), 1.0, fleet)) == []
     # A stream still in its prefill holds no decode slot yet: not asked.
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = Fleet(prefill=8, decode=1)
     assert ids(state.step(ask(0, 2, preemptible=True), 0.0, fleet), Start) == ["r0"]
     state.step(Begun("r0", "prefill", "p0"), 0.0, fleet)
@@ -144,18 +144,33 @@ def test_only_less_urgent_preemptible_streams_holding_the_lacking_role_are_asked
     assert preempts(state.step(ask(9, 0), 1.0, fleet)) == []
 
 
+def test_among_the_least_urgent_the_most_served_clients_stream_steps_aside() -> None:
+    """The client the queue would shed first pays for preemption, even when a light client's
+    stream started later; within one client, the latest started."""
+    state = policies()
+    state.preemptions.priority = 0
+    fleet = Fleet(prefill=8, decode=3)
+    for i, client in enumerate(("heavy", "heavy", "light")):  # r2 (light) is the latest
+        out = state.step(ask(i, 2, client=client, preemptible=True), float(i), fleet)
+        assert ids(out, Start) == [f"r{i}"]
+        state.step(Begun(f"r{i}", "decode", f"d{i}"), float(i), fleet)
+        fleet.free["decode"] -= 1
+    state.queue.counters.charge("heavy", 500)  # heavy has been served more
+    assert preempts(state.step(ask(9, 0), 5.0, fleet)) == ["r1"]
+
+
 def test_a_stream_whose_leaving_frees_nothing_is_not_asked() -> None:
     """Its engine is full by its own queue or KV cache, not by Narwhal's count."""
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2)
-    state.frees = lambda role, engine_id: engine_id == "d0"
+    state.preemptions.frees = lambda role, engine_id: engine_id == "d0"
     assert preempts(state.step(ask(9, 0), 5.0, fleet)) == ["r0"]
 
 
 def test_a_stream_that_cannot_step_aside_is_kept_and_another_is_asked() -> None:
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2)
     assert preempts(state.step(ask(9, 0), 5.0, fleet)) == ["r1"]
     assert preempts(state.step(Kept("r1"), 5.01, fleet)) == ["r0"]
@@ -165,10 +180,10 @@ def test_a_stream_that_cannot_step_aside_is_kept_and_another_is_asked() -> None:
 
 def test_fencing_withdrawal_and_a_lost_worker_take_waiting_streams_out() -> None:
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2)
     state.step(ask(9, 0), 5.0, fleet)
-    state.frees = lambda role, engine_id: False  # its slot not seen free: nobody else asked
+    state.preemptions.frees = lambda role, engine_id: False  # its slot not seen free: nobody else asked
     assert preempts(state.step(Requeue("r1"), 5.01, fleet)) == []
     assert state.waiting() == 2
     out = state.step(Fence("lease lost"), 5.02, fleet)
@@ -177,13 +192,13 @@ def test_fencing_withdrawal_and_a_lost_worker_take_waiting_streams_out() -> None
     assert state.waiting() == 0
 
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2)
-    state.frees = lambda role, engine_id: engine_id == "d1"  # d0 is full by its KV cache
+    state.preemptions.frees = lambda role, engine_id: engine_id == "d1"  # d0 is full by its KV cache
     state.step(ask(9, 0), 5.0, fleet)
     # r1's slot is not seen free (a scrape says its engine is full after all): r0 is on an
     # engine its leaving would not free, so nobody else is asked.
-    state.frees = lambda role, engine_id: False
+    state.preemptions.frees = lambda role, engine_id: False
     assert preempts(state.step(Requeue("r1"), 5.01, fleet)) == []
     state.step(Withdraw("r1"), 5.02, fleet)  # its client left while it waited
     assert state.waiting() == 1 and "r1" not in state
@@ -193,7 +208,7 @@ def test_fencing_withdrawal_and_a_lost_worker_take_waiting_streams_out() -> None
 
 def test_a_requeue_not_asked_for_is_ignored() -> None:
     state = policies()
-    state.preempt_priority = 0
+    state.preemptions.priority = 0
     fleet = full_decode(state, 2)
     assert state.step(Requeue("r0"), 1.0, fleet) == []
     assert state.waiting() == 0 and "r0" in state
@@ -212,7 +227,7 @@ def run_bench_shape(preempt: bool, seed: int = 5) -> tuple[list[float], float, l
     rng = random.Random(seed)
     state = policies()
     state.queue.resize(1024)
-    state.preempt_priority = 0 if preempt else None
+    state.preemptions.priority = 0 if preempt else None
     fleet = Fleet(prefill=math.inf, decode=slots)
     agenda: Agenda[str] = Agenda()
     push = agenda.push

@@ -13,7 +13,7 @@ from narwhal.config import Config
 from narwhal.control.flow import FlowService
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.store import Fleet
-from narwhal.flow.state import Ask, Done, FlowEffect, Refuse, Start
+from narwhal.flow.messages import Ask, Done, FlowEffect, Refuse, Start
 from narwhal.telemetry.metrics import FlowMetrics
 
 KEY = "a" * 12  # a key's label

@@ -7,22 +7,20 @@ import math
 from collections.abc import Mapping
 
 from narwhal.config import KeyPolicy
-from narwhal.flow.saturation import EngineView, FlowLimits
-from narwhal.flow.state import (
+from narwhal.flow.messages import (
     Ask,
     Begun,
     Done,
     Fence,
-    FlowState,
-    Headroom,
     Refuse,
     Resize,
     Start,
     Tick,
     Withdraw,
     WorkerLost,
-    free_slots,
 )
+from narwhal.flow.saturation import EngineView, FlowLimits
+from narwhal.flow.state import FlowState, Headroom, free_slots
 
 LABEL = "0123456789ab"
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from narwhal.engine.failures import FailureClass, SuccessKind
-from narwhal.flow.state import Ask, Begun, Done, Kept, Preempt, Refuse, Requeue, Start, Withdraw
+from narwhal.flow.messages import Ask, Begun, Done, Kept, Preempt, Refuse, Requeue, Start, Withdraw
 from narwhal.process.events import (
     FrameError,
     LegFailed,

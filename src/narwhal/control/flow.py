@@ -20,22 +20,20 @@ from narwhal.clock import Clock
 from narwhal.config import Config, Role
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.store import Fleet
-from narwhal.flow.reasons import ShedReason
-from narwhal.flow.saturation import EngineView, FlowLimits, freed_by_one
-from narwhal.flow.state import (
+from narwhal.flow.messages import (
     Done,
     Fence,
     FlowEffect,
     FlowEvent,
-    FlowState,
-    Headroom,
     Preempt,
     Refuse,
     Resize,
     Start,
     Tick,
-    free_slots,
 )
+from narwhal.flow.reasons import ShedReason
+from narwhal.flow.saturation import EngineView, FlowLimits, freed_by_one
+from narwhal.flow.state import FlowState, Headroom, free_slots
 from narwhal.placement.load import EngineLoad
 from narwhal.telemetry.metrics import FlowMetrics
 
@@ -82,8 +80,8 @@ class FlowService:
         self._stale_s = config.placement.metrics_stale_s
         self.state.policy_for = config.auth.policy_for
         self.state.headroom = Headroom(config.flow.headroom_slots, config.flow.headroom_priority)
-        self.state.preempt_priority = config.flow.preempt_priority
-        self.state.frees = self.frees
+        self.state.preemptions.priority = config.flow.preempt_priority
+        self.state.preemptions.frees = self.frees
 
     def reconfigure(self, config: Config) -> None:
         """A reload: the new limits and key policies; the queue resized (what it sheds is

@@ -29,9 +29,7 @@ from narwhal.dataplane.migration import migratable
 from narwhal.dataplane.outcomes import DeadlineExceeded, NotResumed, bad_request
 from narwhal.dataplane.requests import BadRequest, ClientRequest, EmbeddingsRequest
 from narwhal.fleet.inflight import Choose, InFlightCounts
-from narwhal.flow.priority import PriorityError, resolve_priority
-from narwhal.flow.ratelimit import Limits
-from narwhal.flow.state import (
+from narwhal.flow.messages import (
     Ask,
     Begun,
     Done,
@@ -44,6 +42,8 @@ from narwhal.flow.state import (
     Start,
     Withdraw,
 )
+from narwhal.flow.priority import PriorityError, resolve_priority
+from narwhal.flow.ratelimit import Limits
 
 TENANT_HEADER = "x-narwhal-tenant"
 R = TypeVar("R", bound=Result | None)

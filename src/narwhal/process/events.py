@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal.engine.failures import EngineFailure, FailureClass, SuccessKind
-from narwhal.flow.state import (
+from narwhal.flow.messages import (
     Ask,
     Begun,
     Done,
@@ -129,7 +129,7 @@ KINDS: dict[type[Any], str] = {
     Seen: "seen",
     Ready: "ready",
     Stats: "stats",
-    # Flow control (DESIGN §13, flow/state.py): a request asks to start, its legs are placed,
+    # Flow control (DESIGN §13, flow/messages.py): a request asks to start, its legs are placed,
     # it ends, or its client left while it waited; a preempted stream waits to go on, or
     # could not step aside.
     Ask: "ask",

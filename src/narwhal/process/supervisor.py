@@ -37,16 +37,7 @@ from narwhal.fleet.codec import encode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
-from narwhal.flow.state import (
-    Ask,
-    Begun,
-    Done,
-    FlowEffect,
-    Kept,
-    Requeue,
-    Withdraw,
-    WorkerLost,
-)
+from narwhal.flow.messages import Ask, Begun, Done, FlowEffect, Kept, Requeue, Withdraw, WorkerLost
 from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import (

@@ -38,7 +38,7 @@ from narwhal.engine.transport import EngineClient
 from narwhal.fleet.codec import decode
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.replica import FleetReplica
-from narwhal.flow.state import FromDataPlane
+from narwhal.flow.messages import FromDataPlane
 from narwhal.placement.load import EngineLoad
 from narwhal.process.channel import Channel, Frame
 from narwhal.process.events import Noted, Placed, Ready, Seen, Stats, decode_answer
