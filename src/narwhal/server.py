@@ -525,6 +525,7 @@ class Router:
         """Flow control's queue and refusals (`/admin/flow`, DESIGN §13)."""
         flow, config = self.flow, self.config
         waiting = tuple((e.priority, e.enqueued_at) for e in flow.state.queue)
+        resuming = flow.state.preemptions.waiting()
         return admin_views.FlowSnapshot(
             enabled=config.flow_on,
             rate_limits=any(
@@ -535,10 +536,12 @@ class Router:
             max_wait_s=config.flow.max_wait_s,
             mono=self.clock.monotonic(),
             waiting=waiting,
-            running=len(flow.state) - len(waiting),
+            running=len(flow.state) - len(waiting) - resuming,
             refused=dict(flow.refused),
             refused_by_key={k: dict(v) for k, v in flow.refused_by_key.items()},
             served_tokens=dict(flow.served_tokens),
+            resuming=resuming,
+            preempted=dict(flow.preempted),
         )
 
     def stats_snapshot(self) -> admin_views.StatsSnapshot:

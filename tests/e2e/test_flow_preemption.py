@@ -74,6 +74,10 @@ async def test_an_urgent_request_preempts_a_stream_which_goes_on_exactly(
         text = await resp.text()
     assert metric_sum(text, "narwhal_engine_failures_total", engine="d0") == 0
     await eventually(lambda: len(rr.router.flow.state) == 0, what="every grant given back")
+    async with http.get(rr.url + "/admin/flow") as resp:
+        doc = await resp.json()
+    assert doc["preempted"] == {"2": 1}
+    assert doc["resuming"] == 0 and doc["running"] == 0 and doc["waiting"] == 0
 
 
 @pytest.mark.parametrize("workers", [1, 2])

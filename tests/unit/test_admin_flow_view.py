@@ -30,6 +30,8 @@ def snapshot(**changes: object) -> views.FlowSnapshot:
         refused=REFUSED,
         refused_by_key={"0123456789ab": {"requests_per_minute": 1}},
         served_tokens={"0123456789ab": 40},
+        resuming=1,
+        preempted={5: 2},
     )
     return replace(base, **changes)  # type: ignore[arg-type]
 
@@ -37,6 +39,7 @@ def snapshot(**changes: object) -> views.FlowSnapshot:
 def test_the_queue_by_priority_lowest_first_with_each_oldest_wait() -> None:
     doc = views.flow(snapshot())
     assert doc["waiting"] == 5 and doc["running"] == 2 and doc["queue_limit"] == 64
+    assert doc["resuming"] == 1 and doc["preempted"] == {"5": 2}
     assert doc["priorities"] == [
         {"priority": 0, "waiting": 3, "oldest_wait_s": 2.0},
         {"priority": 5, "waiting": 2, "oldest_wait_s": 2.5},
@@ -72,9 +75,10 @@ def test_the_dashboard_carries_the_flow_document() -> None:
 
 def test_narwhal_status_prints_the_queue_then_each_priority_then_refusals() -> None:
     assert flow_lines(views.flow(snapshot())) == [
-        "flow: on, 5 waiting of 64 (oldest 2.5 s), 2 running",
+        "flow: on, 5 waiting of 64 (oldest 2.5 s), 2 running, 1 stepped aside",
         "  priority 0: 3 waiting, oldest 2.0 s",
         "  priority 5: 2 waiting, oldest 2.5 s",
+        "  preempted: priority 5 2",
         "  refused: deadline 0, not_admitted 0, queue_full 3, requests_per_minute 1, "
         "tokens_per_minute 0",
         "  refused key 0123456789ab: requests_per_minute 1",
@@ -83,6 +87,9 @@ def test_narwhal_status_prints_the_queue_then_each_priority_then_refusals() -> N
 
 def test_narwhal_status_says_when_the_queue_is_off() -> None:
     off = views.flow(snapshot(enabled=False, waiting=(), running=0, refused_by_key={}))
+    assert flow_lines(views.flow(snapshot(resuming=0, preempted={})))[0] == (
+        "flow: on, 5 waiting of 64 (oldest 2.5 s), 2 running"
+    )
     assert flow_lines(off)[0] == "flow: off, rate limits on"
     quiet = views.flow(snapshot(enabled=False, rate_limits=False, waiting=(), refused_by_key={}))
     assert flow_lines(quiet)[0] == "flow: off"

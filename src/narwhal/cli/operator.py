@@ -130,18 +130,26 @@ def placement_line(p: dict[str, Any]) -> str:
 
 def flow_lines(f: dict[str, Any]) -> list[str]:
     """`/admin/flow` for `narwhal status`: whether the queue runs, what waits by priority
-    (with its oldest wait), and every refusal by reason, rate limits by key."""
+    (with its oldest wait), streams asked to step aside by priority (preemption), and every
+    refusal by reason, rate limits by key."""
     if f["enabled"]:
         head = f"flow: on, {f['waiting']} waiting of {f['queue_limit']}"
         if f.get("oldest_wait_s") is not None:
             head += f" (oldest {f['oldest_wait_s']:.1f} s)"
         head += f", {f['running']} running"
+        if f.get("resuming"):
+            head += f", {f['resuming']} stepped aside"
     else:
         head = "flow: off" + (", rate limits on" if f.get("rate_limits") else "")
     lines = [head]
     for p in f.get("priorities", []):
         lines.append(
             f"  priority {p['priority']}: {p['waiting']} waiting, oldest {p['oldest_wait_s']:.1f} s"
+        )
+    preempted = f.get("preempted") or {}
+    if preempted:
+        lines.append(
+            "  preempted: " + ", ".join(f"priority {p} {n}" for p, n in preempted.items())
         )
     refused = f.get("refused") or {}
     if refused:

@@ -73,6 +73,7 @@ class FlowService:
         self.refused: Counter[str] = Counter(dict.fromkeys(_REFUSAL_REASONS, 0))
         self.refused_by_key: dict[str, Counter[str]] = {}
         self.served_tokens: Counter[str] = Counter()
+        self.preempted: Counter[int] = Counter()  # streams asked to step aside, by priority
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
@@ -120,6 +121,7 @@ class FlowService:
         priority = str(effect.priority)
         if isinstance(effect, Preempt):
             self._metrics.preemptions.labels(priority).inc()
+            self.preempted[effect.priority] += 1
         elif isinstance(effect, Start):
             if effect.waited_s > 0:
                 self._metrics.queue_wait.labels(priority).observe(effect.waited_s)

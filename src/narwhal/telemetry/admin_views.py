@@ -91,10 +91,12 @@ class FlowSnapshot:
     max_wait_s: float
     mono: float  # the monotonic clock when taken
     waiting: tuple[tuple[int, float], ...]
-    running: int  # started through flow control, not ended
+    running: int  # started through flow control, not ended (and not stepped aside)
     refused: Mapping[str, int]  # by reason: a `ShedReason` value, or `not_admitted` (503)
     refused_by_key: Mapping[str, Mapping[str, int]]  # key label -> reason -> count
     served_tokens: Mapping[str, int]  # output tokens by key label
+    resuming: int = 0  # streams that stepped aside (preemption), waiting to go on
+    preempted: Mapping[int, int] = field(default_factory=dict)  # streams asked, by priority
 
 
 def flow(f: FlowSnapshot) -> dict[str, Any]:
@@ -116,11 +118,13 @@ def flow(f: FlowSnapshot) -> dict[str, Any]:
         "max_wait_s": f.max_wait_s,
         "waiting": len(f.waiting),
         "running": f.running,
+        "resuming": f.resuming,
         "oldest_wait_s": max((p["oldest_wait_s"] for p in priorities), default=None),
         "priorities": priorities,
         "refused": dict(sorted(f.refused.items())),
         "refused_by_key": {k: dict(sorted(v.items())) for k, v in sorted(f.refused_by_key.items())},
         "served_tokens": dict(sorted(f.served_tokens.items())),
+        "preempted": {str(p): n for p, n in sorted(f.preempted.items())},
     }
 
 
