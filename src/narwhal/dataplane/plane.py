@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Literal, Protocol
@@ -75,6 +75,7 @@ from narwhal.fleet.evidence_sink import EvidenceSink
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
+from narwhal.placement.index import PrefixMatch
 from narwhal.telemetry.events import Note
 from narwhal.telemetry.metrics import Children, DataMetrics
 from narwhal.telemetry.timeline import Timeline
@@ -492,12 +493,20 @@ class DataPlane:
     # ---------------------------------------------------------------- one attempt
     @contextmanager
     def _placed(
-        self, role: Role, tried: set[str], model: str | None, prompt: Prompt | None = None
+        self,
+        role: Role,
+        tried: set[str],
+        model: str | None,
+        prompt: Prompt | None = None,
+        cached: Mapping[str, PrefixMatch] | None = None,
     ) -> Iterator[EngineState]:
         """An engine for `role`, in flight there until the block ends. Engines not yet
         `tried` by this request come first; with a `prompt` (cache-aware placement) the
         engine holding most of its prefix against load, else the least loaded. The pick and
-        its count are one step for every worker (`InFlightCounts.claim`)."""
+        its count are one step for every worker (`InFlightCounts.claim`). `cached`: the
+        prompt's match in the index, looked up once per attempt for both legs, before the
+        claim, whose lock every worker waits for (the decode's candidates gain nothing from
+        what the prefill's placement added for a prefill engine)."""
         now = self._clock.monotonic()
         matched = 0
 
@@ -505,7 +514,7 @@ class DataPlane:
             nonlocal matched
             candidates = self._fleet.candidates(role, now, model)
             if prompt is not None:
-                ranked = self._prefix.choose(prompt, role, candidates, turn, tried)
+                ranked = self._prefix.choose(prompt, role, candidates, turn, tried, cached)
                 if not ranked:
                     return None
                 matched = ranked[0].matched_tokens
@@ -548,9 +557,10 @@ class DataPlane:
             )  # fmt: skip
         prefix = self._prefix
         prompt = await prefix.prompt(req, model or self._cfg.model) if prefix.enabled else None
+        cached = prefix.match(prompt) if prompt is not None else None
         if roles == (Role.BOTH,):
             with (
-                self._placed(Role.BOTH, tried, model, prompt) as engine,
+                self._placed(Role.BOTH, tried, model, prompt, cached) as engine,
                 self._spans.leg(exchange, attempt, "unified", engine.id),
             ):
                 self._placed_on(exchange, None, engine.id)
@@ -567,7 +577,7 @@ class DataPlane:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
         with (
-            self._placed(Role.PREFILL, tried, model, prompt) as prefill,
+            self._placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
             self._spans.leg(exchange, attempt, "prefill", prefill.id),
         ):
             self._placed_on(exchange, prefill.id, None)
@@ -579,7 +589,7 @@ class DataPlane:
             )
         try:
             with (
-                self._placed(Role.DECODE, tried, model, prompt) as decode,
+                self._placed(Role.DECODE, tried, model, prompt, cached) as decode,
                 self._spans.leg(exchange, attempt, "decode", decode.id),
             ):
                 self._placed_on(exchange, prefill.id, decode.id)

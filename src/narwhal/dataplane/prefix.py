@@ -27,6 +27,7 @@ from narwhal.fleet.holds import HoldName
 from narwhal.fleet.state import Candidate, EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.placement.facade import Placement
+from narwhal.placement.index import PrefixMatch
 from narwhal.placement.keys import BlockKey
 from narwhal.placement.load import EngineLoad
 from narwhal.placement.score import Load, Ranked, rank
@@ -250,6 +251,10 @@ class PrefixPlacement:
         keys = tuple(self.index.keys(model, ids, cache_salt=_salt(body)))
         return Prompt(model, keys, len(ids))
 
+    def match(self, prompt: Prompt) -> dict[str, PrefixMatch]:
+        """Each engine's cached prefix of the prompt, from the index now."""
+        return self.index.match(prompt.model, prompt.keys, self._clock.monotonic())
+
     def choose(
         self,
         prompt: Prompt,
@@ -257,10 +262,13 @@ class PrefixPlacement:
         candidates: Sequence[Candidate],
         turn: int,
         exclude: Iterable[str] = (),
+        matched: Mapping[str, PrefixMatch] | None = None,
     ) -> list[Ranked]:
-        """The candidates best first, those in `exclude` last."""
+        """The candidates best first, those in `exclude` last. `matched`: the prompt's
+        `match`, when the caller looked it up already (outside the placement claim's lock)."""
         now = self._clock.monotonic()
-        matched = self.index.match(prompt.model, prompt.keys, now)
+        if matched is None:
+            matched = self.index.match(prompt.model, prompt.keys, now)
         loads = [self.load(c, now) for c in candidates]
         hits = {engine: m.matched_tokens for engine, m in matched.items()}
         ranked = rank(loads, hits, prompt.tokens, turn, decode=role is Role.DECODE)
