@@ -148,9 +148,7 @@ def flow_lines(f: dict[str, Any]) -> list[str]:
         )
     preempted = f.get("preempted") or {}
     if preempted:
-        lines.append(
-            "  preempted: " + ", ".join(f"priority {p} {n}" for p, n in preempted.items())
-        )
+        lines.append("  preempted: " + ", ".join(f"priority {p} {n}" for p, n in preempted.items()))
     refused = f.get("refused") or {}
     if refused:
         lines.append("  refused: " + ", ".join(f"{r} {n}" for r, n in refused.items()))
