@@ -4,6 +4,7 @@ and what it does to the body's `priority` with the queue on and off."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 import pytest
@@ -14,7 +15,16 @@ from narwhal.dataplane.flow_gate import FlowGate, Ticket
 from narwhal.dataplane.outcomes import DeadlineExceeded
 from narwhal.dataplane.record import RequestRecord
 from narwhal.dataplane.requests import ClientRequest, parse_request
-from narwhal.flow.messages import Ask, FromDataPlane, Kept, Preempt, Requeue, Start, Withdraw
+from narwhal.flow.messages import (
+    Ask,
+    Done,
+    FromDataPlane,
+    Kept,
+    Preempt,
+    Requeue,
+    Start,
+    Withdraw,
+)
 from tests.support.fake_exchange import FakeExchange
 
 KEY = "a" * 12  # a key's label
@@ -36,6 +46,7 @@ class StartAtOnce:
         self.asks: list[Ask] = []
         self.sent: list[FromDataPlane] = []
         self.grant_requeues = True
+        self.grant_asks = True
 
     def send(self, event: FromDataPlane) -> None:
         self.sent.append(event)
@@ -45,7 +56,8 @@ class StartAtOnce:
         if isinstance(event, Ask):
             self.asks.append(event)
             assert self.gate is not None
-            self.gate.answer(Start(event.id, 0, event.priority, 0.0))
+            if self.grant_asks:
+                self.gate.answer(Start(event.id, 0, event.priority, 0.0))
 
 
 async def admitted(gate: FlowGate, body: bytes) -> tuple[object, ClientRequest]:
@@ -136,11 +148,29 @@ async def test_a_preempted_request_requeues_and_its_legs_are_placed_anew() -> No
     assert Requeue("r1") in link.sent
 
 
-async def test_a_preempted_request_whose_deadline_passes_withdraws() -> None:
+async def test_a_preempted_request_whose_deadline_passes_ends_with_the_tokens_it_used() -> None:
+    """Not withdrawn (that would give its key back every token): the stream ends, and its
+    ticket's `finish` tells what it used."""
     gate, link = gate_for(config(serving={"policy": "bounded"}))
     link.grant_requeues = False
-    await admitted(gate, b'{"prompt": "x", "stream": true}')
+    ticket, _ = await admitted(gate, b'{"prompt": "x", "stream": true}')
+    assert isinstance(ticket, Ticket)
     with pytest.raises(DeadlineExceeded):
         await gate.resume(0.0)  # the gate's clock says 0: no time left
-    assert link.sent[-2:] == [Requeue("r1"), Withdraw("r1")]
+    assert link.sent[-1] == Requeue("r1")
     assert gate.waiting == 0
+    usage = b'data: {"usage": {"prompt_tokens": 5, "completion_tokens": 7}}'
+    ticket.finish(None, usage)
+    assert link.sent[-1] == Done("r1", 7, 5)
+    assert not any(isinstance(e, Withdraw) for e in link.sent)
+
+
+async def test_a_client_leaving_while_its_request_waits_withdraws_it() -> None:
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    link.grant_asks = False
+    waiting = asyncio.create_task(admitted(gate, b'{"prompt": "x"}'))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert link.sent == [link.asks[0], Withdraw("r1")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+from narwhal.config import KeyPolicy
 from narwhal.flow.messages import (
     Begun,
     Done,
@@ -22,7 +23,7 @@ from narwhal.flow.messages import (
 )
 from narwhal.flow.state import FlowState
 from tests.support.agenda import Agenda
-from tests.unit.test_flow_state import Fleet, ask, ids, policies
+from tests.unit.test_flow_state import LABEL, Fleet, ask, ids, policies
 
 
 def running(state: FlowState, fleet: Fleet, i: int, priority: int, at: float = 0.0) -> None:
@@ -157,6 +158,29 @@ def test_among_the_least_urgent_the_most_served_clients_stream_steps_aside() -> 
         fleet.free["decode"] -= 1
     state.queue.counters.charge("heavy", 500)  # heavy has been served more
     assert preempts(state.step(ask(9, 0), 5.0, fleet)) == ["r1"]
+
+
+def test_a_stream_that_ends_while_waiting_to_go_on_is_charged_what_it_used() -> None:
+    """Its deadline came while it waited: its `Done` takes it out of the streams waiting to
+    go on and settles its key's tokens at what it used (prompt and delivered), not at none."""
+    state = policies(**{LABEL: KeyPolicy(tokens_per_minute=100)})
+    state.preemptions.priority = 0
+    fleet = Fleet(prefill=8, decode=1)
+    keyed = {"key": LABEL, "client": LABEL, "rate_tokens": 60, "preemptible": True}
+    assert ids(state.step(ask(0, 2, **keyed), 0.0, fleet), Start) == ["r0"]
+    state.step(Begun("r0", "decode", "d0"), 0.0, fleet)
+    fleet.free["decode"] = 0
+    assert preempts(state.step(ask(9, 0), 1.0, fleet)) == ["r0"]
+    fleet.free["decode"] = 1
+    assert ids(state.step(Requeue("r0"), 1.01, fleet), Start) == ["r9"]  # r0 waits to go on
+    fleet.free["decode"] = 0
+    state.step(Begun("r9", "decode", "d0"), 1.01, fleet)
+    assert state.waiting() == 1
+    state.step(Done("r0", output_tokens=15, prompt_tokens=5), 2.0, fleet)  # used 20 of 60
+    assert state.waiting() == 0 and "r0" not in state
+    # 80 of the key's 100 left (less a trickle of refill): a 60-token ask fits, a second not.
+    assert ids(state.step(ask(1, 2, **keyed), 2.0, fleet), Refuse) == []
+    assert ids(state.step(ask(2, 2, **keyed), 2.0, fleet), Refuse) == ["r2"]
 
 
 def test_a_stream_whose_leaving_frees_nothing_is_not_asked() -> None:

@@ -273,15 +273,19 @@ class FlowGate:
             raise NotResumed(effect.message)
 
     async def _wait(self, request_id: str, event: Ask | Requeue) -> Start | Refuse:
-        """Send `event` and wait for the control side's answer to `request_id`."""
+        """Send `event` and wait for the control side's answer to `request_id`. Cancelled
+        (the client left, or the deadline came): an ask is withdrawn (out of the queue, its
+        rate-limit share back); a stream waiting to go on is not, its ticket's `finish` ends
+        it with the tokens it did use."""
         future: asyncio.Future[Start | Refuse] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
             self._link.send(event)
             return await future
-        except asyncio.CancelledError:  # the client left: out of the queue, or its grant back
+        except asyncio.CancelledError:
             self._pending.pop(request_id, None)
-            self._link.send(Withdraw(request_id))
+            if isinstance(event, Ask):
+                self._link.send(Withdraw(request_id))
             raise
 
 
