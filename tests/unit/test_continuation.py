@@ -171,6 +171,9 @@ async def test_a_broken_stream_goes_on_from_the_delivered_tokens() -> None:
     assert req.stream and req.model == "m"
     assert attempt.request_id == "req-a2" and attempt.splice is splice
     assert world.record.migrations == splice.migrations == 1
+    # The request's tokens are the whole stream's (the access log, flow control's Done).
+    assert world.record.to_json()["prompt_tokens"] == 3
+    assert world.record.to_json()["completion_tokens"] == 2
     assert world.counted(world.metrics.migrations) == {("stream", TOKEN_IDS): 1}
     [(kind, engine, what)] = world.notes
     assert (kind, engine) == ("migration", "d0") and "continued after 2 tokens" in what
@@ -190,6 +193,7 @@ async def test_a_stream_no_continuation_can_save_ends_with_the_error_event() -> 
         ("stream", TOKEN_IDS): 1, ("connection", TOKEN_IDS): 1,
     }  # fmt: skip
     assert "lost after 2 tokens and 2 migrations (timeout)" in world.notes[-1][2]
+    assert world.record.to_json()["completion_tokens"] == 2  # lost: what it did use
     assert world.notes[-1][1] == "d1"  # the engine the stream last left
 
 

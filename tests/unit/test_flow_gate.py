@@ -10,13 +10,14 @@ from typing import Any, cast
 import pytest
 
 from narwhal.config import Config
-from narwhal.dataplane.exchange import Exchange
+from narwhal.dataplane.exchange import Answer, Exchange
 from narwhal.dataplane.flow_gate import FlowGate, Ticket
 from narwhal.dataplane.outcomes import DeadlineExceeded
 from narwhal.dataplane.record import RequestRecord
 from narwhal.dataplane.requests import ClientRequest, parse_request
 from narwhal.flow.messages import (
     Ask,
+    Begun,
     Done,
     FromDataPlane,
     Kept,
@@ -174,3 +175,45 @@ async def test_a_client_leaving_while_its_request_waits_withdraws_it() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert link.sent == [link.asks[0], Withdraw("r1")]
+
+
+async def test_a_draining_gate_keeps_streams_waiting_to_go_on_and_asks_none_to_step_aside() -> None:
+    """A draining worker withdraws and answers its waiting asks, but a stream waiting to go
+    on is in flight: it keeps waiting for its grant within the drain, never withdrawn (that
+    would give its key back what it used). Once closed, no stream steps aside."""
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    link.grant_requeues = False
+    ticket, _ = await admitted(gate, b'{"prompt": "x", "stream": true}')
+    assert isinstance(ticket, Ticket)
+    resuming = asyncio.create_task(gate.resume(10.0))
+    await asyncio.sleep(0)
+    link.grant_asks = False
+    exchange = FakeExchange(record=RequestRecord("r2", "completions", "r2"))
+    req = parse_request("completions", b'{"prompt": "y"}', "m")
+    asking = asyncio.create_task(gate.admit(req, cast(Exchange, exchange), 10.0, None))
+    await asyncio.sleep(0)
+    cut: list[str] = []
+    gate.preempt = lambda request_id: cut.append(request_id) is None
+    gate.close("not_admitted", "not admitting requests: draining", True)
+    refused = await asking
+    assert isinstance(refused, Answer) and refused.status == 503
+    assert Withdraw("r2") in link.sent and Withdraw("r1") not in link.sent
+    assert not resuming.done()
+    gate.answer(Preempt("r1", 0, 2))
+    assert cut == [] and link.sent[-1] == Kept("r1")
+    gate.answer(Start("r1", 0, 2, 0.0))  # granted within the drain: it goes on
+    await resuming
+
+
+async def test_a_leg_placed_on_another_engine_is_told_again() -> None:
+    """A retry or a migration within one grant placed elsewhere: flow control judges a
+    preemption by the engine the stream is on now."""
+    gate, link = gate_for(config(serving={"policy": "bounded"}))
+    ticket, _ = await admitted(gate, b'{"prompt": "x", "stream": true}')
+    assert isinstance(ticket, Ticket)
+    for engine_id in ("d0", "d0", "d1"):
+        ticket.placed_on("decode", engine_id)
+    assert [(e.role, e.engine) for e in link.sent if isinstance(e, Begun)] == [
+        ("decode", "d0"),
+        ("decode", "d1"),
+    ]

@@ -188,7 +188,7 @@ def test_a_stream_whose_leaving_frees_nothing_is_not_asked() -> None:
     state = policies()
     state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2)
-    state.preemptions.frees = lambda role, engine_id: engine_id == "d0"
+    state.preemptions.frees = lambda group, role, engine_id: engine_id == "d0"
     assert preempts(state.step(ask(9, 0), 5.0, fleet)) == ["r0"]
 
 
@@ -208,7 +208,7 @@ def test_fencing_withdrawal_and_a_lost_worker_take_waiting_streams_out() -> None
     fleet = full_decode(state, 2, 2)
     state.step(ask(9, 0), 5.0, fleet)
     # its slot not seen free: nobody else asked
-    state.preemptions.frees = lambda role, engine_id: False
+    state.preemptions.frees = lambda group, role, engine_id: False
     assert preempts(state.step(Requeue("r1"), 5.01, fleet)) == []
     assert state.waiting() == 2
     out = state.step(Fence("lease lost"), 5.02, fleet)
@@ -220,11 +220,11 @@ def test_fencing_withdrawal_and_a_lost_worker_take_waiting_streams_out() -> None
     state.preemptions.priority = 0
     fleet = full_decode(state, 2, 2)
     # d0 is full by its KV cache
-    state.preemptions.frees = lambda role, engine_id: engine_id == "d1"
+    state.preemptions.frees = lambda group, role, engine_id: engine_id == "d1"
     state.step(ask(9, 0), 5.0, fleet)
     # r1's slot is not seen free (a scrape says its engine is full after all): r0 is on an
     # engine its leaving would not free, so nobody else is asked.
-    state.preemptions.frees = lambda role, engine_id: False
+    state.preemptions.frees = lambda group, role, engine_id: False
     assert preempts(state.step(Requeue("r1"), 5.01, fleet)) == []
     state.step(Withdraw("r1"), 5.02, fleet)  # its client left while it waited
     assert state.waiting() == 1 and "r1" not in state

@@ -12,8 +12,10 @@ from narwhal.clock import FakeClock
 from narwhal.config import Config
 from narwhal.control.flow import FlowService
 from narwhal.fleet.admission import Admission
+from narwhal.fleet.events import HoldRequested, Readmitted
+from narwhal.fleet.holds import HoldName
 from narwhal.fleet.store import Fleet
-from narwhal.flow.messages import Ask, Done, FlowEffect, Refuse, Start
+from narwhal.flow.messages import Ask, Begun, Done, FlowEffect, Kept, Preempt, Refuse, Start
 from narwhal.telemetry.metrics import FlowMetrics
 
 KEY = "a" * 12  # a key's label
@@ -115,3 +117,67 @@ def test_queue_refusals_are_counted_by_key_too() -> None:
         ("w1", "deadline")
     ]
     assert h.service.refused_by_key == {"b" * 12: {"queue_full": 1}, KEY: {"deadline": 1}}
+
+
+def _pd_service(**engine: Any) -> tuple[FlowService, Fleet]:
+    config = Config.model_validate(
+        {
+            "model": "m",
+            "engines": [
+                {"id": "p0", "url": "http://10.0.0.1:8000", "role": "prefill"},
+                {"id": "d0", "url": "http://10.0.0.2:8000", "role": "decode", **engine},
+                {"id": "d1", "url": "http://10.0.0.3:8000", "role": "decode", **engine},
+            ],
+            "serving": {"policy": "bounded"},
+            "flow": {"preempt_priority": 0},
+        }
+    )
+    clock = FakeClock()
+    fleet = Fleet(config.engines, clock)
+    for engine_id in ("p0", "d0", "d1"):
+        fleet.apply(Readmitted(engine_id, "test"), 0.0)
+    metrics = FlowMetrics(CollectorRegistry())
+    return FlowService(config, fleet, clock, Admission(), metrics, dict), fleet
+
+
+def test_a_slot_freed_on_an_engine_nobody_may_use_frees_nothing() -> None:
+    """Preemption asks a stream only for an engine among the role's candidates: one full
+    by its count but drained by an operator would give its slot to nobody."""
+    service, fleet = _pd_service(max_concurrency=1)
+    fleet.in_flight.enter("d0")
+    fleet.in_flight.enter("d1")
+    assert service.frees("m", "decode", "d0") and service.frees("m", "decode", "d1")
+    fleet.apply(HoldRequested("d1", HoldName.OPERATOR_DRAIN, "drain"), 0.0)
+    assert service.frees("m", "decode", "d0") and not service.frees("m", "decode", "d1")
+    assert not service.frees("m", "decode", "gone")
+
+
+def test_kept_answered_inside_a_delivery_is_handled_after_it_not_within() -> None:
+    """With one process a stream that cannot step aside answers `Kept` from inside the
+    delivery of its `Preempt`: each is handled after the event being handled, in order, so
+    a long run of such streams never nests one call per stream."""
+    service, fleet = _pd_service(max_concurrency=1)
+    fleet.in_flight.enter("d0")  # full by its count: a stream leaving it would free a slot
+    streams = 400
+    preempted: list[str] = []
+    depth = [0, 0]  # now, deepest
+
+    def deliver(effect: FlowEffect) -> None:
+        if isinstance(effect, Preempt):
+            preempted.append(effect.id)
+            depth[0] += 1
+            depth[1] = max(depth[1], depth[0])
+            service.handle(Kept(effect.id))  # the data plane could not cut it
+            depth[0] -= 1
+
+    service.deliver = deliver  # type: ignore[method-assign]
+    rooms = {"prefill": 8.0, "decode": float(streams)}
+    service.room = lambda group: rooms  # type: ignore[method-assign]
+    for i in range(streams):  # each through its prefill, decoding on d0
+        service.handle(Ask(f"s{i}", "m", "c", None, 2, 10, 20, 30.0, preemptible=True))
+        service.handle(Begun(f"s{i}", "prefill", "p0"))
+        service.handle(Begun(f"s{i}", "decode", "d0"))
+    rooms["decode"] = 0.0
+    service.handle(Ask("urgent", "m", "c", None, 0, 10, 20, 30.0))
+    assert len(preempted) == streams  # every stream asked once, none twice
+    assert depth[1] == 1

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.dataplane.policy import Limits, Next, Outcome, after_attempt, limits_for, may_continue
+from narwhal.dataplane.policy import (
+    Limits,
+    Next,
+    Outcome,
+    after_attempt,
+    limits_for,
+    may_continue,
+    may_step_aside,
+)
 
 BOUNDED = limits_for("bounded", max_attempts=3, migrations=2)
 SINGLE = limits_for("single_attempt", max_attempts=3, migrations=2)
@@ -44,3 +52,11 @@ def test_a_broken_stream_is_continued_within_its_limit_and_deadline(
     migrations: int, now: float, expected: bool
 ) -> None:
     assert may_continue(migrations, BOUNDED, now, deadline=10.0) is expected
+
+
+def test_a_stream_steps_aside_only_mid_generation_with_a_migration_left() -> None:
+    limits = Limits(attempts=1, migrations=2)
+    assert may_step_aside(True, 1, True, limits)
+    assert not may_step_aside(False, 0, True, limits)  # no first byte yet
+    assert not may_step_aside(True, 2, True, limits)  # out of migrations
+    assert not may_step_aside(True, 0, False, limits)  # its finish_reason was delivered

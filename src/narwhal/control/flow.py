@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
 from narwhal.clock import Clock
@@ -66,6 +66,9 @@ class FlowService:
         self._loads = loads
         self.deliver: Deliver = _undelivered  # set by the router: a worker's channel, or local
         self._wake = asyncio.Event()
+        # Events sent while one is handled (one process: a data plane's answer to a delivered
+        # effect, such as `Kept`), handled after it, in order, not inside it.
+        self._later: deque[FlowEvent] | None = None
         self._pruned_at = clock.monotonic()
         self.state = FlowState(config.flow.queue_limit, config.auth.policy_for)
         # What `/admin/flow` shows, since the start: refusals by reason (`not_admitted`: a
@@ -95,11 +98,26 @@ class FlowService:
         """Apply one event and deliver its answers, in this call. While requests wait, a
         closed admission (the lease lost on the local clock) fences first: an event that
         frees a slot (a request's end, a scrape) never starts a waiting request of a router
-        that no longer admits, even before the clock's next tick."""
+        that no longer admits, even before the clock's next tick. An event sent while one is
+        handled waits for it (with one process, a stream that cannot step aside answers
+        `Kept` from inside the delivery of its `Preempt`: handled there, each answer would
+        ask the next stream one call deeper)."""
+        if self._later is not None:
+            self._later.append(event)
+            return
+        self._later = deque((event,))
+        try:
+            while self._later:
+                self._handle(self._later.popleft())
+        finally:
+            self._later = None
+
+    def _handle(self, event: FlowEvent) -> None:
         if self.state.waiting() and not isinstance(event, Fence):
             closed = self._admission.closed_reason()
-            if closed is not None:
-                self.fence(closed)
+            if closed is not None:  # first, not after this event
+                self._log_fence(closed)
+                self._handle(Fence(closed))
         now = self._clock.monotonic()
         if isinstance(event, Done) and event.output_tokens:
             key = self.state.key_of(event.id)
@@ -160,17 +178,21 @@ class FlowService:
             free[role.value] = free_slots(views, self._limits)
         return free
 
-    def frees(self, role: str, engine_id: str) -> bool:
-        """Whether one request fewer on `engine_id` would give `role` room (`freed_by_one`):
-        preemption asks only a stream whose leaving would."""
-        fleet = self._fleet
+    def frees(self, group: str, role: str, engine_id: str) -> bool:
+        """Whether one request fewer on `engine_id` would give `group`'s `role` room: it is
+        one of the role's candidates (a slot freed on an engine held, draining or ejected
+        serves nobody) and full by its `max_concurrency` alone (`freed_by_one`). Preemption
+        asks only a stream whose leaving would."""
+        fleet, now = self._fleet, self._clock.monotonic()
         engine = fleet.find(engine_id)
         if engine is None:  # gone meanwhile
+            return False
+        if all(c.id != engine_id for c in fleet.candidates(Role(role), now, group)):
             return False
         config = engine.config
         view = EngineView.of(
             engine_id, fleet.in_flight.of(engine_id), config.max_concurrency,
-            self._loads().get(engine_id), self._clock.monotonic(), self._stale_s,
+            self._loads().get(engine_id), now, self._stale_s,
         )  # fmt: skip
         return freed_by_one(view, self._limits)
 
@@ -201,8 +223,11 @@ class FlowService:
     def fence(self, reason: str) -> None:
         """Answer every waiting request 503 now and drop the rate-limit buckets (a fenced
         router; the new active starts with an empty queue and full buckets)."""
-        log.warning("flow: not admitting (%s): answering %d waiting", reason, self.state.waiting())
+        self._log_fence(reason)
         self.handle(Fence(reason))
+
+    def _log_fence(self, reason: str) -> None:
+        log.warning("flow: not admitting (%s): answering %d waiting", reason, self.state.waiting())
 
 
 _SHED_REASONS = frozenset(r.value for r in ShedReason)

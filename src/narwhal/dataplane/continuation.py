@@ -97,6 +97,23 @@ class Continuations:
         tried: set[str],
         limits: Limits,
     ) -> Result:
+        """`_migrate`; however it ends, the request's record then counts the tokens the
+        client's stream used over all its legs (`Splice.usage_event`), not its last leg's."""
+        try:
+            return await self._migrate(exchange, deadline, splice, interrupted, tried, limits)
+        finally:
+            if exchange.record is not None:
+                exchange.record.usage_source = splice.usage_event()
+
+    async def _migrate(
+        self,
+        exchange: Exchange,
+        deadline: float,
+        splice: Splice,
+        interrupted: Interrupted,
+        tried: set[str],
+        limits: Limits,
+    ) -> Result:
         """The client's stream began and its leg failed: continue the generation on fresh
         pairs while `policy.may_continue`; when none can, end the stream (with its last
         events if every token was delivered, else with the error event)."""

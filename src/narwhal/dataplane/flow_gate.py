@@ -64,12 +64,14 @@ class Ticket:
     def __init__(self, request_id: str, link: FlowLink, headers: dict[str, str]) -> None:
         self.id = request_id
         self._link = link
-        self._placed: set[str] = set()
+        self._placed: dict[str, str] = {}  # role: the engine flow control was told
         self.headers = headers  # `x-ratelimit-*`, for the answer
 
     def placed_on(self, role: str, engine_id: str) -> None:
-        if role not in self._placed:
-            self._placed.add(role)
+        """Told once per role and engine: a retry or a migration placed elsewhere is told
+        too, so preemption judges the engine the stream is on now."""
+        if self._placed.get(role) != engine_id:
+            self._placed[role] = engine_id
             self._link.send(Begun(self.id, role, engine_id))
 
     def placed_anew(self) -> None:
@@ -160,6 +162,7 @@ class FlowGate:
         self._worker = worker
         self._now = now
         self._pending: dict[str, asyncio.Future[Start | Refuse]] = {}
+        self._resuming: set[str] = set()  # of `_pending`: streams waiting to go on
         self.preempt: Callable[[str], bool] = lambda request_id: False
         self.closed: tuple[str, str] | None = None  # (reason, message): nothing is asked
         self.reconfigure(config)
@@ -180,9 +183,10 @@ class FlowGate:
 
     def answer(self, effect: FlowEffect) -> None:
         """The control side's answer to an ask of this data plane, or its request that a
-        running stream step aside (`preempt`, set by the data plane: whether it did)."""
+        running stream step aside (`preempt`, set by the data plane: whether it did; never
+        once this gate is closed: a stream cut then could not go on)."""
         if isinstance(effect, Preempt):
-            if not self.preempt(effect.id):
+            if self.closed is not None or not self.preempt(effect.id):
                 self._link.send(Kept(effect.id))
             return
         future = self._pending.pop(effect.id, None)
@@ -191,10 +195,14 @@ class FlowGate:
 
     def close(self, reason: str, message: str, withdraw: bool) -> None:
         """Answer every waiting request 503 now (`Retry-After: 1`): the control process is
-        lost, or this worker drains (`withdraw`: tell the queue they left)."""
+        lost, or this worker drains (`withdraw`: tell the queue they left). A draining
+        worker's streams waiting to go on keep waiting: they are in flight, and the queue
+        may still grant them within the drain (their end, `Done`, settles what they used)."""
         self.closed = (reason, message)
         for request_id in list(self._pending):
             if withdraw:
+                if request_id in self._resuming:
+                    continue
                 self._link.send(Withdraw(request_id))
             self.answer(Refuse(request_id, self._worker, 503, reason, message, 1, {}, 0))
 
@@ -264,11 +272,14 @@ class FlowGate:
         if self.closed is not None:
             raise NotResumed(self.closed[1])
         ticket.placed_anew()
+        self._resuming.add(ticket.id)
         try:
             async with asyncio.timeout(max(0.0, deadline - self._now())):
                 effect = await self._wait(ticket.id, Requeue(ticket.id))
         except TimeoutError:  # out of the queue already (`_wait`)
             raise DeadlineExceeded() from None
+        finally:
+            self._resuming.discard(ticket.id)
         if isinstance(effect, Refuse):
             raise NotResumed(effect.message)
 

@@ -308,6 +308,15 @@ class Splice:
         """Completion tokens the client has."""
         return self._tokens
 
+    def usage_event(self) -> bytes:
+        """What the client's stream used, as a data event with `usage` (the access log's
+        token counts and flow control's `Done` read it, as they read a stream's last event):
+        the prompt's tokens, when an engine gave its ids, and every completion token
+        delivered, whichever legs they came from."""
+        prompt = None if self._prompt_ids is None else len(self._prompt_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": self._tokens}
+        return b"data: " + orjson.dumps({"usage": usage})
+
     def ending(self) -> bytes:
         """The end of a stream whose generation had finished when its leg failed (before its
         usage or `[DONE]`): the usage if asked for and not sent, then `[DONE]`."""

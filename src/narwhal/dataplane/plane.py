@@ -52,7 +52,14 @@ from narwhal.dataplane.outcomes import (
 )
 from narwhal.dataplane.passthrough import Passthrough
 from narwhal.dataplane.placement import least_in_flight
-from narwhal.dataplane.policy import Limits, Next, Outcome, after_attempt, limits_for
+from narwhal.dataplane.policy import (
+    Limits,
+    Next,
+    Outcome,
+    after_attempt,
+    limits_for,
+    may_step_aside,
+)
 from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.prefix import PrefixPlacement, Prompt
 from narwhal.dataplane.record import TRACE_HEADERS, RequestRecord, client_request_id
@@ -240,11 +247,14 @@ class DataPlane:
     def preempt(self, request_id: str) -> bool:
         """Flow control asks the stream of `request_id` to step aside for a more urgent
         request: cut its decode leg off, to go on once the queue grants it a slot again.
-        Only a begun stream with a migration left can (else it is `Kept`)."""
+        Only a begun stream with a migration left and tokens still to generate can (else it
+        is `Kept`)."""
         attempt = self._moves.reading(request_id)
-        if attempt is None or not attempt.started or attempt.splice is None:
+        splice = None if attempt is None else attempt.splice
+        if attempt is None or splice is None:
             return False
-        if attempt.splice.migrations >= self._limits.migrations:
+        generating = not (splice.finished or splice.done)
+        if not may_step_aside(attempt.started, splice.migrations, generating, self._limits):
             return False
         return self._moves.preempt(request_id)
 

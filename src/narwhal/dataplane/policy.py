@@ -56,3 +56,11 @@ def after_attempt(
 def may_continue(migrations: int, limits: Limits, now: float, deadline: float) -> bool:
     """Whether a broken stream gets another continuation."""
     return migrations < limits.migrations and now < deadline
+
+
+def may_step_aside(started: bool, migrations: int, generating: bool, limits: Limits) -> bool:
+    """Whether a stream may be preempted now (flow control's `Preempt`): it began (the
+    client has its first byte, so it goes on by migration), a migration is left, and it is
+    still `generating` (a stream whose finish_reason or `[DONE]` was delivered has nothing
+    left to give a slot back for)."""
+    return started and generating and migrations < limits.migrations

@@ -181,7 +181,7 @@ class Streams:
             legs.succeed(engine, leg.name, SuccessKind.DECODE_DONE)
             legs.check_recompute(leg, relay.scanner.last)
             if exchange.record is not None and (splice is None or not splice.migrations):
-                exchange.record.usage_source = relay.scanner.last  # a continuation's: its leg
+                exchange.record.usage_source = relay.scanner.last  # a continuation: `migrate`
             if splice is not None and splice.migrations:
                 self._migrated("saved").inc()
         exchange.settled_outcome = outcome

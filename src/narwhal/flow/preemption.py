@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 from narwhal.flow.held import Held
 from narwhal.flow.messages import Preempt
 
-Frees = Callable[[str, str], bool]
-"""Whether one request fewer on an engine (role, engine id) would give its role room: it is
-full by Narwhal's own count only, not by its scraped queue or KV cache. Preemption asks only
-a stream whose leaving would."""
+Frees = Callable[[str, str, str], bool]
+"""Whether one request fewer on an engine (group, role, engine id) would give the group's role
+room: the engine may take the group's new work (eligible), and it is full by Narwhal's own
+count only, not by its scraped queue or KV cache. Preemption asks only a stream whose leaving
+would."""
 
 # Roles whose slot a stream holds until it ends: a preempted stream frees one of these.
 _HELD_WHILE_STREAMING = frozenset({"decode", "both"})
@@ -31,7 +32,7 @@ class Preemptions:
 
     def __init__(self) -> None:
         self.priority: int | None = None
-        self.frees: Frees = lambda role, engine_id: True
+        self.frees: Frees = lambda group, role, engine_id: True
         self._running: dict[str, dict[str, Held]] = {}
         self._asked: dict[str, int] = {}
         self._resumes: dict[str, list[tuple[int, int, str]]] = {}
@@ -83,7 +84,7 @@ class Preemptions:
             for h in self._running.get(group, {}).values()
             if h.ask.priority > priority
             and not h.preempting
-            and all(role in h.placed and frees(role, h.placed[role]) for role in lacking)
+            and all(role in h.placed and frees(group, role, h.placed[role]) for role in lacking)
         ]
         if not victims:
             return None
