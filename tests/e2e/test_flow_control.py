@@ -47,7 +47,9 @@ async def _router(
     cap = ["--max-concurrency", str(limit)]
     sims = sim_factory.start_many([[*P, *cap], [*D, *cap, "--itl-ms", str(itl_ms)]])
     serving = {"policy": "bounded", "workers": workers, **sections.pop("serving", {})}
-    return await start_router(_engines(sims, limit), serving=serving, **sections)
+    rr = await start_router(_engines(sims, limit), serving=serving, **sections)
+    await rr.ready()
+    return rr
 
 
 async def _post(

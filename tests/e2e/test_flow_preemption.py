@@ -33,7 +33,9 @@ async def _router(
         {"id": "p0", "url": prefill.url, "role": "prefill", "max_concurrency": 4},
         {"id": "d0", "url": decode.url, "role": "decode", "max_concurrency": 1},
     ]
-    return await start_router(engines, serving={"policy": "bounded", "workers": workers}, flow=flow)
+    rr = await start_router(engines, serving={"policy": "bounded", "workers": workers}, flow=flow)
+    await rr.ready()
+    return rr
 
 
 async def _urgent(url: str, finished: list[str]) -> None:

@@ -98,11 +98,13 @@ def fleet_without_ids() -> Iterator[Fleet]:
 
 
 async def _router(start_router: StartRouter, fleet: Fleet, **serving: Any) -> RunningRouter:
-    return await start_router(
+    rr = await start_router(
         fleet.engines(),
         serving={"policy": "bounded", **serving},
         recovery={"eject_after": 1, "liveness_misses": 100},
     )
+    await rr.ready()
+    return rr
 
 
 @dataclass

@@ -299,7 +299,11 @@ async def test_ejected_engine_is_retried_with_backoff_and_returns_with_evidence_
     assert 3 <= len(attempts) <= 9, attempts
     assert passes >= 3 * len(attempts), (passes, len(attempts))
     gaps = [b - a for a, b in itertools.pairwise(attempts)]
-    assert gaps[-1] >= 0.7 and gaps[0] < gaps[-1] / 2, gaps
+    assert gaps[-1] >= 0.7, gaps
+    # 2x only across two doublings: jittered into [d/2, d], one doubling can show as 1x-4x
+    # (the loaded run of 2026-12-07 10:32 saw three attempts: gaps 1.36 and 2.05 s).
+    if len(gaps) >= 3:
+        assert gaps[0] < gaps[-1] / 2, gaps
     for earlier, later in itertools.pairwise(gaps):
         assert later >= earlier - 0.3, gaps  # never shrinking (pass timing adds some noise)
 

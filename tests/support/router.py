@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from narwhal.config import parse_config
 from narwhal.process.spawner import WorkerSpawner
 from narwhal.server import Router
+from tests.support.poll import eventually
 
 
 @dataclass
@@ -22,6 +24,22 @@ class RunningRouter:
     router: Router
     url: str
     task: asyncio.Task[None]
+
+    async def ready(self, timeout_s: float = 10.0) -> None:
+        """Until `/ready` answers 200. `start_router` returns once the start-up sweep ended,
+        whose health checks may outlast `engine.health_timeout_s` (0.5 s here) on a loaded
+        host: those engines are verified by the monitor's next passes, and until then a
+        request may be answered 503 `starting`."""
+        async with aiohttp.ClientSession() as http:
+
+            async def ok() -> bool:
+                try:
+                    async with http.get(self.url + "/ready") as resp:
+                        return resp.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+
+            await eventually(ok, timeout_s=timeout_s, what=f"{self.url}/ready 200")
 
     def holds(self, engine_id: str) -> list[str]:
         """The engine's hold names, as /admin/engines lists them."""
