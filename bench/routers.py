@@ -97,6 +97,9 @@ def narwhal_config(spec: RouterSpec, engines: Engines, port: int, state: Path) -
         "serving": serving,
         "handoff": {"path": str(state / "handoff.json")},
         "lease": {"backend": "none"},
+        # Placed by load unless a target says otherwise: the default (`prefix`) is measured
+        # as its own target (`-prefix`, and the cache suite's arms), beside plain placement.
+        "placement": {"policy": "least_loaded"},
     }
     if spec.api_key is not None:
         config["auth"] = {"api_keys_env": API_KEYS_ENV}  # the key itself only in the env

@@ -253,7 +253,8 @@ def _why(p: dict[str, Any]) -> str:
     top = ", ".join(f"{name} {us:.0f}" for name, us in profile.step_totals(w)[:7])
     return (
         "Profiled under wrk in front of engines that answer at once, with Narwhal's defaults "
-        f"(`workers: auto`): non-streaming, {w['cpu_us_per_request']:.0f} CPU-µs per request "
+        "(`workers: auto`) but placement by load (`least_loaded`; the default, `prefix`, is "
+        f"`narwhal-wauto-prefix`): non-streaming, {w['cpu_us_per_request']:.0f} CPU-µs per request "
         "over all its processes; the largest steps, in µs per request: "
         f"{top} (the profile section has each process's split). The peers are Rust (tokio "
         "and hyper) with worker threads on both cores."

@@ -135,7 +135,9 @@ Otherwise the peers run with their defaults; the `-hc1` variants add
 Narwhal's configuration (overhead suite; the streams suite raises `serving.max_connections` and
 `queue_limit` to 4096, `narwhal-bounded` and router_bound's `narwhal-w<N>-bounded` set
 `serving.policy: bounded`, its `narwhal-wauto-auth` adds `auth` and `narwhal-wauto-access`
-`logging`, nothing else changes):
+`logging`, `-prefix` targets and the cache suite's arms set their own `placement`, nothing else
+changes; every Narwhal target places by load, `least_loaded`, unless it says otherwise, though
+the default is `prefix`):
 
 ```yaml
 {config}

@@ -633,7 +633,7 @@ TokenizerPath = Annotated[str, Field(min_length=1), AfterValidator(_tokenizer_pa
 class PlacementConfig(_Section):
     """Where a request runs (DESIGN §11, docs/placement.md)."""
 
-    policy: Literal["least_loaded", "prefix"] = "least_loaded"
+    policy: Literal["least_loaded", "prefix"] = "prefix"  # DESIGN §1, §11
     # MODEL: a tokenizer.json, or a directory with tokenizer.json and tokenizer_config.json.
     tokenizers: dict[str, TokenizerPath] = Field(default_factory=dict)
     # For engines without `kv_events` (discovered ones): ports on the engine's host.

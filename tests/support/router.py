@@ -64,6 +64,9 @@ def router_config(engines: list[dict[str, Any]], tmp_path: Path, **sections: Any
         "serving": {"request_timeout_s": 10, "first_token_timeout_s": 2,
                     "stream_idle_timeout_s": 1},
         "handoff": {"path": str(tmp_path / "state" / "handoff.json")},
+        # The failure model's tests count on least in-flight with ties in rotation (which
+        # engine a request goes to); cache-aware placement's tests set `prefix`, the default.
+        "placement": {"policy": "least_loaded"},
     }  # fmt: skip
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):

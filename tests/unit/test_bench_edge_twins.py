@@ -214,7 +214,8 @@ def test_the_prefix_twin_places_by_prefix_with_the_bench_tokenizer() -> None:
         "policy": "prefix",
         "tokenizers": {"/work/tokenizer": "/work/tokenizer"},
     }
-    assert "placement" not in narwhal_config(router_spec("narwhal-wauto"), ENGINES, 1, Path("/x"))
+    plain = narwhal_config(router_spec("narwhal-wauto"), ENGINES, 1, Path("/x"))
+    assert plain["placement"] == {"policy": "least_loaded"}  # the default is prefix
     assert edge_kind(edge_target("prefix")) == "prefix"
     flow = narwhal_config(router_spec("narwhal-wauto-flow"), ENGINES, 1234, Path("/tmp/x"))
     assert flow["flow"] == {"enabled": True}

@@ -12,8 +12,10 @@ from narwhal.clock import FakeClock
 from narwhal.config import Role, parse_config
 from narwhal.dataplane.prefix import RETELL_SHARE, PrefixPlacement, events_of
 from narwhal.dataplane.requests import parse_request
+from narwhal.fleet.events import Readmitted
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Candidate, Ejection, EngineState
+from narwhal.fleet.store import Fleet
 from narwhal.placement.load import EngineLoad
 
 CONFIG = parse_config(
@@ -161,13 +163,14 @@ def test_a_model_without_a_tokenizer_is_named_at_start(caplog: pytest.LogCapture
     assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == [
         "model m has no placement.tokenizers entry"
     ]
-    # Without events to key (no engine publishes), the same news is only information.
+    # Without events to key (no engine publishes), the same news is a detail: placement by
+    # text blocks is what the default (`prefix`) does for every model without a tokenizer.
     raw = CONFIG.model_dump(mode="json")
     raw["placement"]["kv_events_port"] = None
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="narwhal.placement"):
+    with caplog.at_level(logging.DEBUG, logger="narwhal.placement"):
         PrefixPlacement(parse_config(raw), FakeClock())
-    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
 
 
 def test_an_engine_s_reported_cache_size_bounds_its_approximate_entries() -> None:
@@ -233,3 +236,28 @@ def test_a_prefix_is_told_again_once_its_engine_was_emptied() -> None:
     prefix.sync(fleet.values(), clock.monotonic())
     placed_on(prefix, "p1")
     assert told == ["p1", "p1"]
+
+
+def test_the_explanation_of_a_unified_model_names_its_engine_for_both_legs() -> None:
+    """`POST /admin/placement`'s shape (DESIGN §11) for `role: both` engines: the one
+    ranking under `prefill` and `decode` alike, the engine that prefills decoding too."""
+    config = parse_config(
+        {
+            "model": "m",
+            "engines": [
+                {"id": "u0", "url": "http://10.0.0.1:8000", "role": "both"},
+                {"id": "u1", "url": "http://10.0.0.2:8000", "role": "both"},
+            ],
+        }
+    )
+    clock = FakeClock()
+    prefix = PrefixPlacement(config, clock)
+    fleet = Fleet(config.engines, clock)
+    for engine in ("u0", "u1"):
+        fleet.apply(Readmitted(engine, "test"), 0.0)
+    prefix.sync([fleet.get("u0"), fleet.get("u1")], 0.0)
+    req = parse_request("completions", _body(PROMPT + "x"), "m")
+    view = prefix.explain(req, "m", fleet, clock.monotonic())
+    assert [r["id"] for r in view["prefill"]] == ["u0", "u1"]
+    assert view["decode"] == view["prefill"]
+    assert view["chosen"] == {"prefill": "u0", "decode": "u0"}

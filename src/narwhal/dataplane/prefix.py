@@ -97,7 +97,7 @@ class PrefixPlacement:
                     for e in config.engines
                 )
                 log.log(
-                    logging.WARNING if publishing else logging.INFO,
+                    logging.WARNING if publishing else logging.DEBUG,
                     "placement: model %s has no placement.tokenizers entry: placed by text "
                     "blocks over Narwhal's own placements (its engines' KV events cannot be "
                     "keyed)",
@@ -309,6 +309,8 @@ class PrefixPlacement:
                 for r in ranked
             ]
             chosen[name] = ranked[0].id if ranked else None
+            if role is Role.BOTH:  # a unified engine runs the decode where it prefilled
+                view["decode"], chosen["decode"] = view["prefill"], chosen["prefill"]
         view["chosen"] = chosen
         return view
 
