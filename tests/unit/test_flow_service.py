@@ -15,7 +15,17 @@ from narwhal.fleet.admission import Admission
 from narwhal.fleet.events import HoldRequested, Readmitted
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.store import Fleet
-from narwhal.flow.messages import Ask, Begun, Done, FlowEffect, Kept, Preempt, Refuse, Start
+from narwhal.flow.messages import (
+    Ask,
+    Begun,
+    Done,
+    FlowEffect,
+    Kept,
+    Preempt,
+    Refuse,
+    Requeue,
+    Start,
+)
 from narwhal.telemetry.metrics import FlowMetrics
 
 KEY = "a" * 12  # a key's label
@@ -181,3 +191,23 @@ def test_kept_answered_inside_a_delivery_is_handled_after_it_not_within() -> Non
     service.handle(Ask("urgent", "m", "c", None, 0, 10, 20, 30.0))
     assert len(preempted) == streams  # every stream asked once, none twice
     assert depth[1] == 1
+
+
+def test_a_stream_stepping_aside_as_the_router_stops_admitting_is_answered_not_started() -> None:
+    """It was asked to step aside; the lease was lost before its leg was off. Its slot is
+    free when its Requeue comes, but a router that no longer admits starts nothing: it is
+    answered 503 with the others."""
+    h = Harness(flow={"preempt_priority": 0})
+    h.service.state.preemptions.frees = lambda group, role, engine_id: True
+    h.service.handle(Ask("s", "m", "c", None, 2, 10, 20, 30.0, preemptible=True))
+    h.service.handle(Begun("s", "both", "e0"))
+    h.free = 0.0
+    assert h.ask("urgent") is None  # priority 0: waits, and asks s to step aside
+    assert [a.id for a in h.answers if isinstance(a, Preempt)] == ["s"]
+    h.admission.close("lease", "fenced: lease lost")
+    h.answers.clear()
+    h.free = 1.0  # s's leg is off: its slot is free
+    h.service.handle(Requeue("s"))
+    assert not [a for a in h.answers if isinstance(a, Start)], h.answers
+    assert sorted(a.id for a in h.answers if isinstance(a, Refuse)) == ["s", "urgent"]
+    assert len(h.service.state) == 0

@@ -27,6 +27,7 @@ from narwhal.flow.messages import (
     FlowEvent,
     Preempt,
     Refuse,
+    Requeue,
     Resize,
     Start,
     Tick,
@@ -124,9 +125,16 @@ class FlowService:
             if key is not None:
                 self._metrics.client_tokens.labels(key).inc(event.output_tokens)
                 self.served_tokens[key] += event.output_tokens
-        for effect in self.state.step(event, now, self.room):
+        room = self.room
+        closed = self._admission.closed_reason() if isinstance(event, Requeue) else None
+        if closed is not None:  # a stream stepped aside as the router stopped admitting
+            room = self._no_room  # it waits, to be answered with the others, not started
+        for effect in self.state.step(event, now, room):
             self._count(effect)
             self.deliver(effect)
+        if closed is not None and self.state.waiting():
+            self._log_fence(closed)
+            self._handle(Fence(closed))
         self._metrics.observe_depth(self.state.queue.depth())
         if self.state.waiting():
             self._wake.set()
@@ -177,6 +185,9 @@ class FlowService:
             ]
             free[role.value] = free_slots(views, self._limits)
         return free
+
+    def _no_room(self, group: str) -> Mapping[str, float]:
+        return dict.fromkeys(self.room(group), 0.0)
 
     def frees(self, group: str, role: str, engine_id: str) -> bool:
         """Whether one request fewer on `engine_id` would give `group`'s `role` room: it is
