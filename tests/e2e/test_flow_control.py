@@ -345,3 +345,57 @@ async def test_a_keys_tokens_per_minute_answer_429_with_the_tokens_headers_after
     assert flow["refused_by_key"] == {_label("sk-small"): {"tokens_per_minute": 2}}, flow
     assert flow["refused"]["tokens_per_minute"] == 2
     assert flow["served_tokens"][_label("sk-small")] == 6 * len(served), flow
+
+
+@WORKERS
+async def test_with_flow_control_off_a_full_fleet_answers_503_at_once(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    """DESIGN §13: under `single_attempt` (flow control off) a full fleet answers 503 at once,
+    nothing sent to an engine past `engines[].max_concurrency`; once the slot frees, the next
+    request is served."""
+    prefill, decode = sim_factory.start_many([P, [*D, "--itl-ms", "100"]])
+    rr = await start_router(_engines([prefill, decode], 1), serving={"workers": workers})
+    await rr.ready()
+    running = asyncio.create_task(_post(http, rr.url, _body("running", max_tokens=30)))
+    await eventually(lambda: len(decode.requests()) == 1, what="the first request decoding")
+    started = time.monotonic()
+    status, headers, body = await _post(http, rr.url, _body("second"))
+    assert status == 503 and headers["Retry-After"] == "1", body
+    assert body["error"]["message"] == "server saturated: every eligible decode engine is full"
+    assert time.monotonic() - started < 2.0  # at once, not after the running one's 3 s
+    assert len(prefill.requests()) == 1, "no prefill spent on a request no decode could take"
+    assert (await running)[0] == 200
+    assert (await _post(http, rr.url, _body("third")))[0] == 200
+
+
+@pytest.mark.single_process  # reads the data plane's view of the engines' scraped load
+async def test_with_flow_control_off_engines_full_by_their_own_queue_answer_503_at_once(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """DESIGN §13's other measure of full: the engine's scraped `vllm:num_requests_waiting`
+    past `flow.engine_waiting_max` (default 8). With every prefill engine that full, a
+    request is answered 503 at once instead of joining the engine's queue."""
+    slow = [*P, "--max-num-seqs", "1", "--ttft-per-token-ms", "40"]
+    prefill, decode = sim_factory.start_many([slow, D])
+    engines = [
+        {"id": "p0", "url": prefill.url, "role": "prefill"},
+        {"id": "d0", "url": decode.url, "role": "decode"},
+    ]
+    placement = {"policy": "prefix", "metrics_interval_s": 0.1, "metrics_stale_s": 2.0}
+    rr = await start_router(engines, placement=placement)
+    await rr.ready()
+    queued = [asyncio.create_task(_post(http, rr.url, _body(f"queued {i}"))) for i in range(12)]
+    loads = rr.router.dataplane.prefix
+
+    def p0_past_its_bound() -> bool:
+        load = loads.loads.get("p0")
+        return load is not None and load.waiting > 8
+
+    await eventually(p0_past_its_bound, what="p0's scraped queue past 8")
+    started = time.monotonic()
+    status, headers, body = await _post(http, rr.url, _body("one more"))
+    assert status == 503 and headers["Retry-After"] == "1", body
+    assert body["error"]["message"] == "server saturated: every eligible prefill engine is full"
+    assert time.monotonic() - started < 1.0
+    assert all(answer[0] == 200 for answer in await asyncio.gather(*queued))

@@ -80,8 +80,9 @@ from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, engine_headers
 from narwhal.fleet.evidence_sink import EvidenceSink
 from narwhal.fleet.intervals import IntervalStats
-from narwhal.fleet.state import EngineState
+from narwhal.fleet.state import Candidate, EngineState
 from narwhal.fleet.store import Fleet
+from narwhal.flow.saturation import EngineView, FlowLimits, full_reason
 from narwhal.placement.index import PrefixMatch
 from narwhal.telemetry.events import Note
 from narwhal.telemetry.metrics import Children, DataMetrics
@@ -209,6 +210,13 @@ class DataPlane:
         )
         every = config.logging.access_every
         self._access = AccessLog(every) if every is not None else None
+        # Flow control off: a full engine (DESIGN §13: its max_concurrency reached, or its
+        # scraped queue or KV usage past flow's bounds) takes no new request, and a role whose
+        # every eligible engine is full answers 503 at once (`bounded`: retried). With flow
+        # control on, its queue decided already.
+        self._refuse_full = not config.flow_on
+        self._full_limits = FlowLimits.of(config.flow)
+        self._stale_s = config.placement.metrics_stale_s
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config (control/reload.py): timeouts, policies, the access log and the
@@ -493,6 +501,28 @@ class DataPlane:
         headers = engine_headers(key, attempt.request_id, attempt.trace)
         return Leg(name, engine, attempt, deadline, headers, body, producer)
 
+    def _below_limits(
+        self, candidates: list[Candidate], now: float
+    ) -> tuple[list[Candidate], bool]:
+        """With flow control off: the candidates below their `engines[].max_concurrency` (a
+        bound never passed), and whether any of them has room by DESIGN §13's measure too
+        (`flow.saturation.full_reason`: also the last fresh scrape of its queue and KV
+        usage). An engine full by its scrape alone may still be placed on beside others with
+        room: the ranking weighs its queue."""
+        loads, fleet = self._prefix.loads, self._fleet
+        below: list[Candidate] = []
+        room = False
+        for c in candidates:
+            limit = fleet.get(c.id).config.max_concurrency
+            if limit is not None and c.in_flight >= limit:
+                continue
+            below.append(c)
+            if not room:
+                load = loads.get(c.id)
+                view = EngineView.of(c.id, c.in_flight, limit, load, now, self._stale_s)
+                room = load is None or full_reason(view, self._full_limits) is None
+        return below, room
+
     @staticmethod
     def _placed_on(exchange: Exchange, prefill: str | None, decode: str | None) -> None:
         """The engines of the request's latest attempt, for its access-log line."""
@@ -519,10 +549,16 @@ class DataPlane:
         what the prefill's placement added for a prefill engine)."""
         now = self._clock.monotonic()
         matched = 0
+        full = False
 
         def choose(turn: int) -> str | None:
-            nonlocal matched
+            nonlocal matched, full
             candidates = self._fleet.candidates(role, now, model)
+            if self._refuse_full and candidates:
+                candidates, room = self._below_limits(candidates, now)
+                if not room:
+                    full = True
+                    return None
             if prompt is not None:
                 ranked = self._prefix.choose(prompt, role, candidates, turn, tried, cached)
                 if not ranked:
@@ -536,6 +572,8 @@ class DataPlane:
         counts = self._in_flight_counts
         engine_id = counts.claim(role.value, choose)
         if engine_id is None:
+            if full:
+                raise Saturated(f"every eligible {role.value} engine is full")
             raise NoCapacity(role, not self._fleet.has_verified(role, model))
         tried.add(engine_id)
         if prompt is not None:
@@ -586,6 +624,11 @@ class DataPlane:
         if missing:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
+        if (
+            self._refuse_full
+            and not self._below_limits(self._fleet.candidates(Role.DECODE, now, model), now)[1]
+        ):  # nor one whose decode could not be placed now
+            raise Saturated("every eligible decode engine is full")
         with (
             self._placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
             self._spans.leg(exchange, attempt, "prefill", prefill.id),
