@@ -122,7 +122,8 @@ KV_ROLE_PERMITS = {
 }
 
 
-_ZMQ_TCP = r"^tcp://[^\s:/]+:[0-9]{1,5}$"
+# tcp://HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one (as ZMQ writes it)
+_ZMQ_TCP = r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}$"
 
 
 class KvEventsConfig(_Section):

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from narwhal.clock import SystemClock
+from narwhal.config import KvEventsConfig
 from narwhal.placement.facade import EngineCounters, Placement
 from narwhal.placement.subscriber import KvEventsEndpoint, subscribe
 from narwhal.sim import kv_events as sim
@@ -41,11 +42,13 @@ def _publisher_main(pub_address: str, replay_address: str | None) -> None:
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.IPV6, 1)
     pub.bind(pub_address)
     router = None
     if replay_address is not None:
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.IPV6, 1)
         router.setsockopt(zmq.SNDHWM, 0)  # a long replay is sent whole, never dropped here
         router.bind(replay_address)
     buffer: list[tuple[int, bytes]] = []
@@ -170,8 +173,11 @@ class Harness:
 
 
 @asynccontextmanager
-async def _harness(*, replay: bool, replay_at: str | None = None) -> AsyncIterator[Harness]:
-    publisher = await _start_publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None)
+async def _harness(
+    *, replay: bool, replay_at: str | None = None, host: str = "127.0.0.1"
+) -> AsyncIterator[Harness]:
+    at = f"tcp://{host}:*"
+    publisher = await _start_publisher(at, at if replay else None)
     if replay_at is not None:
         publisher.endpoint = KvEventsEndpoint(publisher.pub, replay_at, TOPIC)
     placement = Placement()
@@ -240,6 +246,20 @@ async def test_in_order_batches_in_every_layout_then_removal_and_clear() -> None
         assert h.matched() == 0 and h.placement.index_blocks("e1") == 0
         c = h.counters()
         assert (c.batches, c.stored_blocks, c.removed_blocks, c.gaps) == (5, 6, 1, 0)
+
+
+async def test_an_ipv6_publisher_is_followed_and_replayed() -> None:
+    """`engines[].kv_events` takes a bracketed IPv6 endpoint (tcp://[::1]:PORT), as ZMQ
+    writes one: the subscription and its replay socket both reach it."""
+    async with _harness(replay=True, host="[::1]") as h:
+        assert h.publisher.endpoint.endpoint.startswith("tcp://[::1]:")
+        KvEventsConfig(endpoint=h.publisher.endpoint.endpoint)  # the config takes it
+        await h.publisher.publish(0, _stored(0, 2, sim.EventEncoding.MAP))
+        await h.matched_becomes(2 * BS)
+        await h.publisher.publish(1, _stored(2, 2, sim.EventEncoding.MAP), live=False)  # lost
+        await h.publisher.publish(2, _stored(4, 2, sim.EventEncoding.MAP))
+        await h.matched_becomes(6 * BS)  # seq 1 came by the replay socket
+        assert (await h.publisher.state())["replays"] == [1]
 
 
 async def test_a_gap_is_replayed() -> None:

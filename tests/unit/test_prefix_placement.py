@@ -155,6 +155,14 @@ def test_discovered_engines_publish_on_the_configured_ports_of_their_host() -> N
     assert endpoint is not None
     assert endpoint.endpoint == "tcp://10.0.0.2:5557"
     assert endpoint.replay_endpoint is None
+    for url, host in (
+        ("http://[fd00::2]:8000", "[fd00::2]"),  # IPv6, bracketed as ZMQ writes it
+        ("http://[fd00::2]/", "[fd00::2]"),
+        ("https://engine-2.ns.svc", "engine-2.ns.svc"),  # no port
+    ):
+        engine = CONFIG.engines[1].model_copy(update={"url": url})
+        found = events_of(engine, CONFIG.placement)
+        assert found is not None and found.endpoint == f"tcp://{host}:5557", url
 
 
 def test_a_model_without_a_tokenizer_is_named_at_start(caplog: pytest.LogCaptureFixture) -> None:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,7 +65,9 @@ def events_of(engine: EngineConfig, placement: PlacementConfig) -> KvEventsEndpo
         return KvEventsEndpoint(events.endpoint, events.replay_endpoint, events.topic)
     if placement.kv_events_port is None:
         return None
-    host = engine.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+    host = urlsplit(engine.url).hostname or ""
+    if ":" in host:  # an IPv6 address, bracketed as ZMQ writes it
+        host = f"[{host}]"
     replay = placement.kv_events_replay_port
     return KvEventsEndpoint(
         f"tcp://{host}:{placement.kv_events_port}",

@@ -67,6 +67,7 @@ async def subscribe(
     sub = context.socket(zmq.SUB)
     try:
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # a bracketed IPv6 endpoint too (IPv4 unchanged)
         sub.connect(endpoint.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode("utf-8"))
         log.info("kv events: %s: subscribed to %s", engine, endpoint.endpoint)
@@ -120,6 +121,7 @@ async def replay(
     dealer = context.socket(zmq.DEALER)
     try:
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
         # No bound on what is queued here: the engine's ROUTER drops what does not fit in its
         # send queue (1,000 messages by default), and its whole buffer comes at once.
         dealer.setsockopt(zmq.RCVHWM, 0)
