@@ -213,7 +213,7 @@ class Http:
 
 @dataclass
 class Sample:
-    t: float  # monotonic
+    t: float  # monotonic, when the two polls were sent
     a: int | None  # /ready status; None: refused; TIMED_OUT: no answer in time
     b: int | None
 
@@ -252,8 +252,12 @@ class ReadyWatch:
 
     async def _run(self) -> None:
         while True:
+            # Stamped when sent: a poll sent before a change and answered after it says
+            # what was true when it was asked (the clean-clone run of 2026-12-07 11:00 had
+            # one b=503 stamped just after b's first 200, its answer late behind a's).
+            sent = time.monotonic()
             sa, sb = await asyncio.gather(self.http.status(self.a), self.http.status(self.b))
-            self.samples.append(Sample(time.monotonic(), sa, sb))
+            self.samples.append(Sample(sent, sa, sb))
             await asyncio.sleep(0.02)
 
     def since(self, t: float) -> list[Sample]:
