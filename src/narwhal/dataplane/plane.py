@@ -618,17 +618,14 @@ class DataPlane:
         now = self._clock.monotonic()
         # Never spend a prefill whose KV nobody can read; /ready's precedence (readiness.py):
         # a role not yet verified (starting) before a role without capacity.
-        missing = [
-            r for r in (Role.PREFILL, Role.DECODE) if not self._fleet.candidates(r, now, model)
-        ]
+        prefills = self._fleet.candidates(Role.PREFILL, now, model)
+        decodes = self._fleet.candidates(Role.DECODE, now, model)
+        missing = [r for r, c in ((Role.PREFILL, prefills), (Role.DECODE, decodes)) if not c]
         if missing:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
-        if (
-            self._refuse_full
-            and not self._below_limits(self._fleet.candidates(Role.DECODE, now, model), now)[1]
-        ):  # nor one whose decode could not be placed now
-            raise Saturated("every eligible decode engine is full")
+        if self._refuse_full and not self._below_limits(decodes, now)[1]:
+            raise Saturated("every eligible decode engine is full")  # nor spend a prefill
         with (
             self._placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
             self._spans.leg(exchange, attempt, "prefill", prefill.id),
