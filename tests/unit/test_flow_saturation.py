@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from narwhal.config import FlowConfig
+from narwhal.fleet.state import Candidate
 from narwhal.flow.saturation import (
     EngineView,
     FlowLimits,
     Full,
+    below_limits,
     can_start,
     engine_full,
     full_reason,
@@ -67,3 +69,18 @@ def test_limits_of_the_config() -> None:
     flow = FlowConfig(engine_waiting_max=2, engine_kv_usage_max=0.5)
     assert FlowLimits.of(flow) == FlowLimits(2, 0.5)
     assert FlowLimits.of(FlowConfig()) == LIMITS
+
+
+def test_with_flow_off_a_full_engine_is_never_placed_on_and_a_full_role_has_no_room() -> None:
+    """`below_limits`: an engine at its max_concurrency is dropped; the role has room while
+    one left is not full by its fresh scrape either (one full by its scrape alone stays a
+    candidate beside it)."""
+    limits = FlowLimits.of(FlowConfig())
+    caps = {"a": 1, "b": None, "c": None}
+    queued = {"b": EngineLoad(waiting=9, running=4, kv_usage=0.1, at=0.0)}
+    engines = [Candidate("a", 1), Candidate("b", 3), Candidate("c", 0)]
+    below, room = below_limits(engines, caps.get, queued, 0.0, 5.0, limits)
+    assert [c.id for c in below] == ["b", "c"] and room
+    below, room = below_limits(engines[:2], caps.get, queued, 0.0, 5.0, limits)
+    assert [c.id for c in below] == ["b"] and not room  # b is past engine_waiting_max
+    assert below_limits(engines[:2], caps.get, queued, 10.0, 5.0, limits)[1]  # stale: room

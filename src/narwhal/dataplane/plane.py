@@ -82,7 +82,7 @@ from narwhal.fleet.evidence_sink import EvidenceSink
 from narwhal.fleet.intervals import IntervalStats
 from narwhal.fleet.state import Candidate, EngineState
 from narwhal.fleet.store import Fleet
-from narwhal.flow.saturation import EngineView, FlowLimits, full_reason
+from narwhal.flow.saturation import FlowLimits, below_limits
 from narwhal.placement.index import PrefixMatch
 from narwhal.telemetry.events import Note
 from narwhal.telemetry.metrics import Children, DataMetrics
@@ -504,24 +504,13 @@ class DataPlane:
     def _below_limits(
         self, candidates: list[Candidate], now: float
     ) -> tuple[list[Candidate], bool]:
-        """With flow control off: the candidates below their `engines[].max_concurrency` (a
-        bound never passed), and whether any of them has room by DESIGN §13's measure too
-        (`flow.saturation.full_reason`: also the last fresh scrape of its queue and KV
-        usage). An engine full by its scrape alone may still be placed on beside others with
-        room: the ranking weighs its queue."""
-        loads, fleet = self._prefix.loads, self._fleet
-        below: list[Candidate] = []
-        room = False
-        for c in candidates:
-            limit = fleet.get(c.id).config.max_concurrency
-            if limit is not None and c.in_flight >= limit:
-                continue
-            below.append(c)
-            if not room:
-                load = loads.get(c.id)
-                view = EngineView.of(c.id, c.in_flight, limit, load, now, self._stale_s)
-                room = load is None or full_reason(view, self._full_limits) is None
-        return below, room
+        """`flow.saturation.below_limits` over this process's fleet and scraped loads."""
+        fleet = self._fleet
+        return below_limits(
+            candidates,
+            lambda engine_id: fleet.get(engine_id).config.max_concurrency,
+            self._prefix.loads, now, self._stale_s, self._full_limits,
+        )  # fmt: skip
 
     @staticmethod
     def _placed_on(exchange: Exchange, prefill: str | None, decode: str | None) -> None:

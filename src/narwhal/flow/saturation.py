@@ -10,9 +10,10 @@ blocks on a prefill engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Protocol, TypeVar
 
 from narwhal.config import FlowConfig
 from narwhal.placement.load import EngineLoad
@@ -102,3 +103,45 @@ def can_start(
     """Whether a request may start now: both of its roles have room. A unified (`both`)
     fleet passes its engines as both roles."""
     return role_has_room(prefill, limits) and role_has_room(decode, limits)
+
+
+class Counted(Protocol):
+    """An engine with Narwhal's in-flight count on it (a placement candidate)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+C = TypeVar("C", bound=Counted)
+
+
+def below_limits(
+    candidates: Sequence[C],
+    max_concurrency: Callable[[str], int | None],
+    loads: Mapping[str, EngineLoad],
+    now: float,
+    stale_s: float,
+    limits: FlowLimits,
+) -> tuple[list[C], bool]:
+    """With flow control off, at placement: the candidates below their `max_concurrency` (a
+    bound never passed), and whether any of them has room by the whole measure
+    (`full_reason`: also the last fresh scrape of its queue and KV usage). An engine full by
+    its scrape alone may still be placed on beside others with room: the ranking weighs its
+    queue."""
+    below: list[C] = []
+    room = False
+    for c in candidates:
+        limit = max_concurrency(c.id)
+        if limit is not None and c.in_flight >= limit:
+            continue
+        below.append(c)
+        if not room:
+            load = loads.get(c.id)
+            room = load is None or (
+                full_reason(EngineView.of(c.id, c.in_flight, limit, load, now, stale_s), limits)
+                is None
+            )
+    return below, room
