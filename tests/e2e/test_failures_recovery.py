@@ -168,17 +168,23 @@ async def test_a_peer_failing_the_probe_is_inconclusive_and_peers_keep_serving(
         await fail_until_held(http, rr, "p1")
         # 2 in one process; with data-plane workers a burst's request placed on p1 at the same
         # moment as the failing ones (before the hold reached its worker) may have cleared it.
+        # Held after one of the two: the other would fail the probe's own prefill.
+        p1.clear_faults()
         held_with = (await engine(http, rr, "p1"))["evidence"]["kv_handoff"]
         passed_before = await probes(http, rr, "p1", "inference", "ok")
+        failed_before = await probes(http, rr, "p1", "inference", "failed")
         d0.clear_requests()
         # The next request d0 sees is the probe's decode leg: it fails there.
         d0.add_fault({"kind": "completion_status", "status": 500, "leg": "decode", "count": 1})
 
-        async def settled(passed_before: float = passed_before) -> str | None:
+        async def settled(passed_before: float = passed_before,
+                          failed_before: float = failed_before) -> str | None:  # fmt: skip
             if await probes(http, rr, "p1", "inference", "inconclusive") == 1:
                 return "inconclusive"
             if await probes(http, rr, "p1", "inference", "ok") > passed_before:
                 return "passed"
+            if await probes(http, rr, "p1", "inference", "failed") > failed_before:
+                raise AssertionError(f"p1's probe failed: {await engine(http, rr, 'p1')}")
             return None
 
         # The pass after the hold probes p1 at once; on a loaded machine it can do so before

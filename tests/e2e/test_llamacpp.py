@@ -219,7 +219,10 @@ async def test_a_decode_server_out_of_slots_is_saturation_not_an_engine_failure(
     prefill = LlamaServer(bins, slot_dir, parallel=1).start()
     one_slot = LlamaServer(bins, slot_dir, parallel=1).start()
     try:
-        serving = {**SECTIONS["serving"], "first_token_timeout_s": 1.0}
+        # The second request waits first_token_timeout_s for d1's slot, then is refused. The
+        # long one's 300 tokens take ~10 s on a quiet 2-core host, up to 4x that beside a CPU
+        # hog: the request deadline leaves room for that, and 2 s for its slot restore.
+        serving = {**SECTIONS["serving"], "first_token_timeout_s": 2.0, "request_timeout_s": 180}
         rr = await pd_router(start_router, prefill, one_slot, slot_dir, serving=serving)
         long = asyncio.create_task(
             complete(http, rr, prompt=PROMPT, max_tokens=300, ignore_eos=True)
