@@ -399,3 +399,35 @@ async def test_with_flow_control_off_engines_full_by_their_own_queue_answer_503_
     assert body["error"]["message"] == "server saturated: every eligible prefill engine is full"
     assert time.monotonic() - started < 1.0
     assert all(answer[0] == 200 for answer in await asyncio.gather(*queued))
+
+
+@WORKERS
+async def test_a_stream_without_usage_counts_the_tokens_it_delivered(
+    sim_factory: SimFactory,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: int,
+) -> None:
+    """A streamed answer whose client did not ask for `include_usage` carries no usage event;
+    its key is charged the tokens the stream delivered (counted by the stream's splice), not
+    left holding the whole reservation (prompt plus `max_tokens`)."""
+    monkeypatch.setenv("TEST_FLOW_KEYS", "sk-stream")
+    auth = {
+        "api_keys_env": "TEST_FLOW_KEYS",
+        "key_policies": {_label("sk-stream"): {"tokens_per_minute": 1000}},
+    }
+    rr = await _router(sim_factory, start_router, workers, limit=8, auth=auth)
+    body = _body("a stream", max_tokens=7, stream=True)
+    headers = {"Authorization": "Bearer sk-stream"}
+    async with http.post(rr.url + "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.read()).split(b"\n\n") if line]
+    assert events[-1] == b"data: [DONE]" and not any(b'"usage"' in e for e in events)
+
+    async def served() -> int | None:
+        async with http.get(rr.url + "/admin/flow") as resp:
+            tokens = (await resp.json())["served_tokens"].get(_label("sk-stream"))
+        return tokens if isinstance(tokens, int) else None
+
+    assert await eventually(served, what="the key's served tokens") == 7

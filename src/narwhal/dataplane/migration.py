@@ -308,6 +308,11 @@ class Splice:
         """Completion tokens the client has."""
         return self._tokens
 
+    @property
+    def usage_sent(self) -> bool:
+        """An engine's usage event went to the client (the client asked for it)."""
+        return self._usage_sent
+
     def usage_event(self) -> bytes:
         """What the client's stream used, as a data event with `usage` (the access log's
         token counts and flow control's `Done` read it, as they read a stream's last event):

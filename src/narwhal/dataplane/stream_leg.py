@@ -181,7 +181,13 @@ class Streams:
             legs.succeed(engine, leg.name, SuccessKind.DECODE_DONE)
             legs.check_recompute(leg, relay.scanner.last)
             if exchange.record is not None and (splice is None or not splice.migrations):
-                exchange.record.usage_source = relay.scanner.last  # a continuation: `migrate`
+                # The engine's usage when the client asked for it; else what the splice
+                # counted delivered (a continuation's is set by `migrate`).
+                exchange.record.usage_source = (
+                    relay.scanner.last
+                    if splice is None or splice.usage_sent
+                    else splice.usage_event()
+                )
             if splice is not None and splice.migrations:
                 self._migrated("saved").inc()
         exchange.settled_outcome = outcome
