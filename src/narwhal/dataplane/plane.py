@@ -3,10 +3,11 @@ serving policy over attempts (`policy.py`), each attempt placing a prefill and a
 one unified leg) and running them (`legs.py`, `stream_leg.py`).
 
 `DataPlane` wires the rest, each in its own module with the few collaborators it needs:
-embeddings (`embeddings.py`), batched prompts and `n > 1` (`fanout_runner.py` over
-`fanout.py`), a broken stream continued elsewhere (`continuation.py` over `migration.py`),
-prompt-length checks (`token_limits.py`), `/tokenize` and `/detokenize` (`passthrough.py`),
-leg spans (`spans.py`) and the engines' API keys (`engine_calls.py`).
+each leg's engine (`placer.py`), embeddings (`embeddings.py`), batched prompts and `n > 1`
+(`fanout_runner.py` over `fanout.py`), a broken stream continued elsewhere
+(`continuation.py` over `migration.py`), prompt-length checks (`token_limits.py`),
+`/tokenize` and `/detokenize` (`passthrough.py`), leg spans (`spans.py`) and the engines'
+API keys (`engine_calls.py`).
 
 A proxied stream owns its accounting: in-flight counts and evidence are recorded exactly once
 whether the stream ends, fails, or the client leaves (a client that leaves records nothing).
@@ -16,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
@@ -51,7 +51,7 @@ from narwhal.dataplane.outcomes import (
     settled,
 )
 from narwhal.dataplane.passthrough import Passthrough
-from narwhal.dataplane.placement import least_in_flight
+from narwhal.dataplane.placer import Placer
 from narwhal.dataplane.policy import (
     Limits,
     Next,
@@ -61,7 +61,7 @@ from narwhal.dataplane.policy import (
     may_step_aside,
 )
 from narwhal.dataplane.pool import Pool, PoolExhausted
-from narwhal.dataplane.prefix import PrefixPlacement, Prompt
+from narwhal.dataplane.prefix import PrefixPlacement
 from narwhal.dataplane.record import TRACE_HEADERS, RequestRecord, client_request_id
 from narwhal.dataplane.requests import (
     BadRequest,
@@ -80,10 +80,8 @@ from narwhal.engine.registry import Adapters
 from narwhal.engine.transport import EngineClient, engine_headers
 from narwhal.fleet.evidence_sink import EvidenceSink
 from narwhal.fleet.intervals import IntervalStats
-from narwhal.fleet.state import Candidate, EngineState
+from narwhal.fleet.state import EngineState
 from narwhal.fleet.store import Fleet
-from narwhal.flow.saturation import FlowLimits, below_limits
-from narwhal.placement.index import PrefixMatch
 from narwhal.telemetry.events import Note
 from narwhal.telemetry.metrics import Children, DataMetrics
 from narwhal.telemetry.timeline import Timeline
@@ -130,7 +128,6 @@ class DataPlane:
         """`note` puts an event on the control process's timeline (telemetry/events.py):
         migrations happen here, in the data plane."""
         self._fleet = fleet
-        self._in_flight_counts = fleet.in_flight
         self._evidence = evidence
         self._metrics = metrics
         self._clock = clock
@@ -147,10 +144,7 @@ class DataPlane:
         self._legs = Legs(client, adapters, evidence, metrics, self._stats, config.serving)
         self._streams = Streams(self._legs, self._moves, clock)
         self._prefix = prefix or PrefixPlacement(config, clock)
-        self._prefix_lookups = Children(metrics.prefix_lookup_tokens)
-        self._prefix_hits = Children(metrics.prefix_hit_tokens)
-        self._prefix_engine_lookups = Children(metrics.prefix_engine_lookup_tokens)
-        self._prefix_engine_hits = Children(metrics.prefix_engine_hit_tokens)
+        self._placer = Placer(config, fleet, clock, self._prefix, metrics)
         self._keys = ApiKeys(load_keys(config.auth)) if config.auth.enabled else None
         self._by_key = Children(metrics.key_requests)
         self._ids_by = adapters.of_api(config.fleet_api).token_ids_by  # one API per fleet
@@ -168,7 +162,7 @@ class DataPlane:
         )
         self._passthrough = Passthrough(fleet, client, clock, key_of, new_request_id, config)
         self._embeddings = Embeddings(
-            fleet, clock, self._placed, self._spans.leg, self._leg, self._legs.embed,
+            fleet, clock, self._placer.placed, self._spans.leg, self._leg, self._legs.embed,
             metrics.retries,
         )  # fmt: skip
         self._fan_out = FanOut(self.pool, self._serve)
@@ -210,13 +204,7 @@ class DataPlane:
         )
         every = config.logging.access_every
         self._access = AccessLog(every) if every is not None else None
-        # Flow control off: a full engine (DESIGN §13: its max_concurrency reached, or its
-        # scraped queue or KV usage past flow's bounds) takes no new request, and a role whose
-        # every eligible engine is full answers 503 at once (`bounded`: retried). With flow
-        # control on, its queue decided already.
-        self._refuse_full = not config.flow_on
-        self._full_limits = FlowLimits.of(config.flow)
-        self._stale_s = config.placement.metrics_stale_s
+        self._placer.apply(config)
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config (control/reload.py): timeouts, policies, the access log and the
@@ -501,17 +489,6 @@ class DataPlane:
         headers = engine_headers(key, attempt.request_id, attempt.trace)
         return Leg(name, engine, attempt, deadline, headers, body, producer)
 
-    def _below_limits(
-        self, candidates: list[Candidate], now: float
-    ) -> tuple[list[Candidate], bool]:
-        """`flow.saturation.below_limits` over this process's fleet and scraped loads."""
-        fleet = self._fleet
-        return below_limits(
-            candidates,
-            lambda engine_id: fleet.get(engine_id).config.max_concurrency,
-            self._prefix.loads, now, self._stale_s, self._full_limits,
-        )  # fmt: skip
-
     @staticmethod
     def _placed_on(exchange: Exchange, prefill: str | None, decode: str | None) -> None:
         """The engines of the request's latest attempt, for its access-log line."""
@@ -520,63 +497,6 @@ class DataPlane:
             record.prefill, record.decode = prefill, decode
 
     # ---------------------------------------------------------------- one attempt
-    @contextmanager
-    def _placed(
-        self,
-        role: Role,
-        tried: set[str],
-        model: str | None,
-        prompt: Prompt | None = None,
-        cached: Mapping[str, PrefixMatch] | None = None,
-    ) -> Iterator[EngineState]:
-        """An engine for `role`, in flight there until the block ends. Engines not yet
-        `tried` by this request come first; with a `prompt` (cache-aware placement) the
-        engine holding most of its prefix against load, else the least loaded. The pick and
-        its count are one step for every worker (`InFlightCounts.claim`). `cached`: the
-        prompt's match in the index, looked up once per attempt for both legs, before the
-        claim, whose lock every worker waits for (the decode's candidates gain nothing from
-        what the prefill's placement added for a prefill engine)."""
-        now = self._clock.monotonic()
-        matched = 0
-        full = False
-
-        def choose(turn: int) -> str | None:
-            nonlocal matched, full
-            candidates = self._fleet.candidates(role, now, model)
-            if self._refuse_full and candidates:
-                candidates, room = self._below_limits(candidates, now)
-                if not room:
-                    full = True
-                    return None
-            if prompt is not None:
-                ranked = self._prefix.choose(prompt, role, candidates, turn, tried, cached)
-                if not ranked:
-                    return None
-                matched = ranked[0].matched_tokens
-                return ranked[0].id
-            return least_in_flight(candidates, turn, exclude=tried) or least_in_flight(
-                candidates, turn
-            )
-
-        counts = self._in_flight_counts
-        engine_id = counts.claim(role.value, choose)
-        if engine_id is None:
-            if full:
-                raise Saturated(f"every eligible {role.value} engine is full")
-            raise NoCapacity(role, not self._fleet.has_verified(role, model))
-        tried.add(engine_id)
-        if prompt is not None:
-            if role is not Role.DECODE:
-                self._prefix_lookups(prompt.model).inc(prompt.tokens)
-                self._prefix_hits(prompt.model).inc(matched)
-                self._prefix_engine_lookups(engine_id).inc(prompt.tokens)
-                self._prefix_engine_hits(engine_id).inc(matched)
-            self._prefix.placed(prompt, engine_id, matched, prefill=role is not Role.DECODE)
-        try:
-            yield self._fleet.get(engine_id)
-        finally:
-            counts.leave(engine_id)
-
     async def _attempt(
         self,
         req: ClientRequest,
@@ -597,7 +517,7 @@ class DataPlane:
         cached = prefix.match(prompt) if prompt is not None else None
         if roles == (Role.BOTH,):
             with (
-                self._placed(Role.BOTH, tried, model, prompt, cached) as engine,
+                self._placer.placed(Role.BOTH, tried, model, prompt, cached) as engine,
                 self._spans.leg(exchange, attempt, "unified", engine.id),
             ):
                 self._placed_on(exchange, None, engine.id)
@@ -613,10 +533,11 @@ class DataPlane:
         if missing:
             starting = [r for r in missing if not self._fleet.has_verified(r, model)]
             raise NoCapacity(starting[0], True) if starting else NoCapacity(missing[0])
-        if self._refuse_full and not self._below_limits(decodes, now)[1]:
+        placer = self._placer
+        if placer.refuse_full and not placer.below_limits(decodes, now)[1]:
             raise Saturated("every eligible decode engine is full")  # nor spend a prefill
         with (
-            self._placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
+            self._placer.placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
             self._spans.leg(exchange, attempt, "prefill", prefill.id),
         ):
             self._placed_on(exchange, prefill.id, None)
@@ -628,7 +549,7 @@ class DataPlane:
             )
         try:
             with (
-                self._placed(Role.DECODE, tried, model, prompt, cached) as decode,
+                self._placer.placed(Role.DECODE, tried, model, prompt, cached) as decode,
                 self._spans.leg(exchange, attempt, "decode", decode.id),
             ):
                 self._placed_on(exchange, prefill.id, decode.id)
