@@ -43,7 +43,11 @@ def write(tmp_path: Path, data: dict[str, Any] | str) -> Path:
 
 
 def serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`narwhal-serve` with its own temporary directory: a router killed by another test
+    leaves its runtime directory in the shared one, and the next start removes it with a
+    line of its own (a refusal's stderr would then be two lines)."""
     env = {k: v for k, v in os.environ.items() if k != "NARWHAL_ADMIN_TOKEN"}
+    env["TMPDIR"] = str(cwd)
     return subprocess.run(
         [sys.executable, "-m", "narwhal.cli.serve", *args],
         capture_output=True,
