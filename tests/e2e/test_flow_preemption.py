@@ -83,6 +83,36 @@ async def test_an_urgent_request_preempts_a_stream_which_goes_on_exactly(
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+async def test_a_stream_asked_before_its_first_token_steps_aside_once_it_has_one(
+    sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
+) -> None:
+    """The urgent request comes while the stream's decode is placed but its first token is
+    stalled (1 s): asked then, the stream cannot step aside yet (no byte to go on from) and
+    says so for now only; asked again once it has begun, it steps aside, and the urgent
+    request finishes first."""
+    prefill, decode = sim_factory.start_many([P, D])
+    engines = [
+        {"id": "p0", "url": prefill.url, "role": "prefill", "max_concurrency": 4},
+        {"id": "d0", "url": decode.url, "role": "decode", "max_concurrency": 1},
+    ]
+    serving = {"policy": "bounded", "workers": workers}
+    rr = await start_router(engines, serving=serving, flow={"preempt_priority": 0})
+    await rr.ready()
+    decode.add_fault({"kind": "stall_first_token", "delay_s": 1.0, "leg": "decode", "count": 1})
+    finished: list[str] = []
+    low = asyncio.create_task(
+        _stream(rr.url, "completions", "a long low story", extra_body={"priority": 2})
+    )
+    await eventually(lambda: len(decode.requests()) == 1, what="the stream's decode stalled")
+    urgent = asyncio.create_task(_urgent(rr.url, finished))
+    await low
+    finished.append("low")
+    await urgent
+    assert finished == ["urgent", "low"]
+    assert await metric(http, rr.url, "narwhal_preemptions_total", priority="2") == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_without_preemption_the_urgent_request_waits_for_the_slot(
     sim_factory: SimFactory, start_router: StartRouter, http: aiohttp.ClientSession, workers: int
 ) -> None:

@@ -13,6 +13,7 @@ from narwhal.config import Config
 from narwhal.dataplane.exchange import Answer, Exchange
 from narwhal.dataplane.flow_gate import FlowGate, Ticket
 from narwhal.dataplane.outcomes import DeadlineExceeded
+from narwhal.dataplane.policy import StepAside
 from narwhal.dataplane.record import RequestRecord
 from narwhal.dataplane.requests import ClientRequest, parse_request
 from narwhal.flow.messages import (
@@ -129,11 +130,13 @@ async def test_only_a_stream_that_may_migrate_is_preemptible(
 async def test_a_preemption_is_kept_when_the_data_plane_cannot_step_aside() -> None:
     gate, link = gate_for(config(serving={"policy": "bounded"}))
     asked: list[str] = []
-    gate.preempt = lambda request_id: asked.append(request_id) or request_id == "r2"
+    answers = {"r1": StepAside.NEVER, "r2": StepAside.NOW, "r3": StepAside.NOT_YET}
+    gate.preempt = lambda request_id: asked.append(request_id) or answers[request_id]
     gate.answer(Preempt("r1", 0, 2))
     gate.answer(Preempt("r2", 0, 2))
-    assert asked == ["r1", "r2"]
-    assert link.sent == [Kept("r1")]
+    gate.answer(Preempt("r3", 0, 2))
+    assert asked == ["r1", "r2", "r3"]
+    assert link.sent == [Kept("r1"), Kept("r3", for_now=True)]
 
 
 async def test_a_preempted_request_requeues_and_its_legs_are_placed_anew() -> None:
@@ -193,7 +196,7 @@ async def test_a_draining_gate_keeps_streams_waiting_to_go_on_and_asks_none_to_s
     asking = asyncio.create_task(gate.admit(req, cast(Exchange, exchange), 10.0, None))
     await asyncio.sleep(0)
     cut: list[str] = []
-    gate.preempt = lambda request_id: cut.append(request_id) is None
+    gate.preempt = lambda request_id: cut.append(request_id) or StepAside.NOW
     gate.close("not_admitted", "not admitting requests: draining", True)
     refused = await asking
     assert isinstance(refused, Answer) and refused.status == 503

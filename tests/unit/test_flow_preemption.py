@@ -21,6 +21,7 @@ from narwhal.flow.messages import (
     Withdraw,
     WorkerLost,
 )
+from narwhal.flow.preemption import ASK_AGAIN_S
 from narwhal.flow.state import FlowState
 from tests.support.agenda import Agenda
 from tests.unit.test_flow_state import LABEL, Fleet, ask, ids, policies
@@ -200,6 +201,19 @@ def test_a_stream_that_cannot_step_aside_is_kept_and_another_is_asked() -> None:
     assert preempts(state.step(Kept("r1"), 5.01, fleet)) == ["r0"]
     assert preempts(state.step(Kept("r0"), 5.02, fleet)) == []  # none left to ask
     assert preempts(state.step(Tick(), 5.03, fleet)) == []
+
+
+def test_a_stream_that_cannot_step_aside_yet_is_asked_again_a_little_later() -> None:
+    """Kept for now (its decode placed, its first byte not read yet): the next one is asked
+    meanwhile, and it is asked again once `ASK_AGAIN_S` has passed, not before."""
+    state = policies()
+    state.preemptions.priority = 0
+    fleet = full_decode(state, 2, 2)
+    assert preempts(state.step(ask(9, 0), 5.0, fleet)) == ["r1"]
+    assert preempts(state.step(Kept("r1", for_now=True), 5.01, fleet)) == ["r0"]
+    assert preempts(state.step(Kept("r0"), 5.02, fleet)) == []  # r0: never
+    assert preempts(state.step(Tick(), 5.01 + ASK_AGAIN_S - 0.001, fleet)) == []
+    assert preempts(state.step(Tick(), 5.01 + ASK_AGAIN_S, fleet)) == ["r1"]
 
 
 def test_fencing_withdrawal_and_a_lost_worker_take_waiting_streams_out() -> None:

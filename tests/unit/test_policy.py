@@ -8,10 +8,11 @@ from narwhal.dataplane.policy import (
     Limits,
     Next,
     Outcome,
+    StepAside,
     after_attempt,
     limits_for,
     may_continue,
-    may_step_aside,
+    step_aside,
 )
 
 BOUNDED = limits_for("bounded", max_attempts=3, migrations=2)
@@ -56,7 +57,8 @@ def test_a_broken_stream_is_continued_within_its_limit_and_deadline(
 
 def test_a_stream_steps_aside_only_mid_generation_with_a_migration_left() -> None:
     limits = Limits(attempts=1, migrations=2)
-    assert may_step_aside(True, 1, True, limits)
-    assert not may_step_aside(False, 0, True, limits)  # no first byte yet
-    assert not may_step_aside(True, 2, True, limits)  # out of migrations
-    assert not may_step_aside(True, 0, False, limits)  # its finish_reason was delivered
+    assert step_aside(True, 1, True, limits) is StepAside.NOW
+    assert step_aside(False, 0, True, limits) is StepAside.NOT_YET  # no first byte yet
+    assert step_aside(True, 2, True, limits) is StepAside.NEVER  # out of migrations
+    assert step_aside(False, 2, True, limits) is StepAside.NEVER
+    assert step_aside(True, 0, False, limits) is StepAside.NEVER  # its finish_reason went out

@@ -39,6 +39,7 @@ EVENTS: list[WorkerEvent] = [
     Withdraw("r1"),
     Requeue("r1"),
     Kept("r1"),
+    Kept("r1", for_now=True),
 ]
 
 

@@ -25,7 +25,6 @@ from narwhal.flow.messages import (
     Fence,
     FlowEffect,
     FlowEvent,
-    Preempt,
     Refuse,
     Requeue,
     Resize,
@@ -77,7 +76,7 @@ class FlowService:
         self.refused: Counter[str] = Counter(dict.fromkeys(_REFUSAL_REASONS, 0))
         self.refused_by_key: dict[str, Counter[str]] = {}
         self.served_tokens: Counter[str] = Counter()
-        self.preempted: Counter[int] = Counter()  # streams asked to step aside, by priority
+        self.preempted: Counter[int] = Counter()  # streams that stepped aside, by priority
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
@@ -125,6 +124,11 @@ class FlowService:
             if key is not None:
                 self._metrics.client_tokens.labels(key).inc(event.output_tokens)
                 self.served_tokens[key] += event.output_tokens
+        if isinstance(event, Requeue):
+            stepped = self.state.stepping_aside(event.id)
+            if stepped is not None:  # counted once it is off its engine, however often asked
+                self._metrics.preemptions.labels(str(stepped)).inc()
+                self.preempted[stepped] += 1
         room = self.room
         closed = self._admission.closed_reason() if isinstance(event, Requeue) else None
         if closed is not None:  # a stream stepped aside as the router stopped admitting
@@ -145,10 +149,7 @@ class FlowService:
 
     def _count(self, effect: FlowEffect) -> None:
         priority = str(effect.priority)
-        if isinstance(effect, Preempt):
-            self._metrics.preemptions.labels(priority).inc()
-            self.preempted[effect.priority] += 1
-        elif isinstance(effect, Start):
+        if isinstance(effect, Start):
             if effect.waited_s > 0:
                 self._metrics.queue_wait.labels(priority).observe(effect.waited_s)
         elif isinstance(effect, Refuse):

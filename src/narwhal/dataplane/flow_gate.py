@@ -27,6 +27,7 @@ from narwhal.dataplane.errors import error_answer
 from narwhal.dataplane.exchange import Answer, Exchange, Result
 from narwhal.dataplane.migration import migratable
 from narwhal.dataplane.outcomes import DeadlineExceeded, NotResumed, bad_request
+from narwhal.dataplane.policy import StepAside
 from narwhal.dataplane.requests import BadRequest, ClientRequest, EmbeddingsRequest
 from narwhal.fleet.inflight import Choose, InFlightCounts
 from narwhal.flow.messages import (
@@ -163,7 +164,7 @@ class FlowGate:
         self._now = now
         self._pending: dict[str, asyncio.Future[Start | Refuse]] = {}
         self._resuming: set[str] = set()  # of `_pending`: streams waiting to go on
-        self.preempt: Callable[[str], bool] = lambda request_id: False
+        self.preempt: Callable[[str], StepAside] = lambda request_id: StepAside.NEVER
         self.closed: tuple[str, str] | None = None  # (reason, message): nothing is asked
         self.reconfigure(config)
 
@@ -186,8 +187,9 @@ class FlowGate:
         running stream step aside (`preempt`, set by the data plane: whether it did; never
         once this gate is closed: a stream cut then could not go on)."""
         if isinstance(effect, Preempt):
-            if self.closed is not None or not self.preempt(effect.id):
-                self._link.send(Kept(effect.id))
+            answer = StepAside.NEVER if self.closed is not None else self.preempt(effect.id)
+            if answer is not StepAside.NOW:
+                self._link.send(Kept(effect.id, for_now=answer is StepAside.NOT_YET))
             return
         future = self._pending.pop(effect.id, None)
         if future is not None and not future.done():

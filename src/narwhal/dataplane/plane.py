@@ -56,9 +56,10 @@ from narwhal.dataplane.policy import (
     Limits,
     Next,
     Outcome,
+    StepAside,
     after_attempt,
     limits_for,
-    may_step_aside,
+    step_aside,
 )
 from narwhal.dataplane.pool import Pool, PoolExhausted
 from narwhal.dataplane.prefix import PrefixPlacement
@@ -240,19 +241,23 @@ class DataPlane:
         many were moved."""
         return self._moves.move(engine_id)
 
-    def preempt(self, request_id: str) -> bool:
+    def preempt(self, request_id: str) -> StepAside:
         """Flow control asks the stream of `request_id` to step aside for a more urgent
         request: cut its decode leg off, to go on once the queue grants it a slot again.
-        Only a begun stream with a migration left and tokens still to generate can (else it
-        is `Kept`)."""
+        Only a begun stream with a migration left and tokens still to generate can; one not
+        reading its answer yet (between legs, before its first byte, or already moving) may
+        be asked again later."""
         attempt = self._moves.reading(request_id)
-        splice = None if attempt is None else attempt.splice
-        if attempt is None or splice is None:
-            return False
+        if attempt is None:
+            return StepAside.NOT_YET
+        splice = attempt.splice
+        if splice is None:
+            return StepAside.NEVER
         generating = not (splice.finished or splice.done)
-        if not may_step_aside(attempt.started, splice.migrations, generating, self._limits):
-            return False
-        return self._moves.preempt(request_id)
+        answer = step_aside(attempt.started, splice.migrations, generating, self._limits)
+        if answer is StepAside.NOW and not self._moves.preempt(request_id):
+            return StepAside.NOT_YET
+        return answer
 
     async def _resume(self, deadline: float) -> None:
         """A preempted stream waits for its turn to go on (`FlowGate.resume`)."""

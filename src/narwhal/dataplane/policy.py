@@ -58,9 +58,19 @@ def may_continue(migrations: int, limits: Limits, now: float, deadline: float) -
     return migrations < limits.migrations and now < deadline
 
 
-def may_step_aside(started: bool, migrations: int, generating: bool, limits: Limits) -> bool:
-    """Whether a stream may be preempted now (flow control's `Preempt`): it began (the
+class StepAside(Enum):
+    """A running stream's answer to flow control's `Preempt`."""
+
+    NOW = "now"  # cut off its engine: it goes on when the queue grants it again
+    NOT_YET = "not_yet"  # not reading its answer yet: between legs, or before its first byte
+    NEVER = "never"  # out of migrations, its generation delivered, or not migratable
+
+
+def step_aside(started: bool, migrations: int, generating: bool, limits: Limits) -> StepAside:
+    """Whether a stream may be preempted (flow control's `Preempt`): now if it began (the
     client has its first byte, so it goes on by migration), a migration is left, and it is
     still `generating` (a stream whose finish_reason or `[DONE]` was delivered has nothing
-    left to give a slot back for)."""
-    return started and generating and migrations < limits.migrations
+    left to give a slot back for); not yet if only its first byte is missing."""
+    if not generating or migrations >= limits.migrations:
+        return StepAside.NEVER
+    return StepAside.NOW if started else StepAside.NOT_YET

@@ -20,6 +20,7 @@ class Held:
     placed: dict[str, str] = field(default_factory=dict)  # role: engine, since its last grant
     started_at: float = 0.0  # its (last) grant
     preemptible: bool = False  # may be asked to step aside (`Ask.preemptible`, until `Kept`)
+    ask_again_at: float = 0.0  # `Kept.for_now`: not asked again before then
     preempting: bool = False  # asked to step aside; its leg not yet off its engine
     preempted: int = 0  # times it stepped aside
     stepped_for: int = 0  # the priority of the request it last stepped aside for

@@ -67,10 +67,12 @@ class Requeue:
 
 @dataclass(frozen=True, slots=True)
 class Kept:
-    """A request asked to step aside could not (not reading a movable stream right now, or
-    out of migrations): it runs on, and is not asked again."""
+    """A request asked to step aside could not: it runs on. `for_now`: not yet (between legs,
+    or before its answer's first byte), so it may be asked again a little later; else (out of
+    migrations, its generation delivered, not movable) it is not asked again."""
 
     id: str
+    for_now: bool = False
 
 
 @dataclass(frozen=True, slots=True)

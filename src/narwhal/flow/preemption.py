@@ -22,6 +22,10 @@ room: the engine may take the group's new work (eligible), and it is full by Nar
 count only, not by its scraped queue or KV cache. Preemption asks only a stream whose leaving
 would."""
 
+# A stream that could not step aside yet (`Kept.for_now`: its decode placed, its first byte
+# not yet read) is asked again no sooner than this: a decode's first token is tens of ms away.
+ASK_AGAIN_S = 0.05
+
 # Roles whose slot a stream holds until it ends: a preempted stream frees one of these.
 _HELD_WHILE_STREAMING = frozenset({"decode", "both"})
 
@@ -63,7 +67,12 @@ class Preemptions:
             self._running.setdefault(held.ask.group, {})[held.ask.id] = held
 
     def ask(
-        self, group: str, lacking: set[str], priority: int, served: Callable[[str], float]
+        self,
+        group: str,
+        lacking: set[str],
+        priority: int,
+        served: Callable[[str], float],
+        now: float,
     ) -> Preempt | None:
         """One running stream of a less urgent priority to step aside for a waiting request
         of `priority`, when that is urgent enough, none asked is still on its engine, and the
@@ -84,6 +93,7 @@ class Preemptions:
             for h in self._running.get(group, {}).values()
             if h.ask.priority > priority
             and not h.preempting
+            and h.ask_again_at <= now
             and all(role in h.placed and frees(group, role, h.placed[role]) for role in lacking)
         ]
         if not victims:
@@ -107,9 +117,13 @@ class Preemptions:
         held.enqueued_at = now
         bisect.insort(self._resumes.setdefault(held.ask.group, []), (*held.resuming, held.ask.id))
 
-    def kept(self, held: Held) -> None:
-        """A stream asked could not step aside: it runs on, and is not asked again."""
+    def kept(self, held: Held, for_now_at: float | None = None) -> None:
+        """A stream asked could not step aside: it runs on, and is not asked again; or, when
+        it could not yet (`Kept.for_now`, told at `for_now_at`), not before `ASK_AGAIN_S`."""
         self._not_asked(held)
+        if for_now_at is not None:
+            held.ask_again_at = for_now_at + ASK_AGAIN_S
+            return
         held.preemptible = False
         self._not_running(held)
 

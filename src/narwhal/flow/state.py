@@ -117,6 +117,12 @@ class FlowState:
     def next_deadline(self) -> float | None:
         return self.queue.next_deadline()
 
+    def stepping_aside(self, request_id: str) -> int | None:
+        """The priority of a stream asked to step aside and not off its engine yet (None:
+        not such a stream)."""
+        held = self._held.get(request_id)
+        return held.ask.priority if held is not None and held.preempting else None
+
     def key_of(self, request_id: str) -> str | None:
         """The rate-limit key of a request it knows (None: none, or not known)."""
         held = self._held.get(request_id)
@@ -146,10 +152,10 @@ class FlowState:
                 held = self._held.get(request_id)
                 if held is not None and held.preempting:
                     self.preemptions.requeued(held, now)
-            case Kept(id=request_id):
+            case Kept(id=request_id, for_now=for_now):
                 held = self._held.get(request_id)
                 if held is not None and held.preempting:
-                    self.preemptions.kept(held)
+                    self.preemptions.kept(held, now if for_now else None)
             case WorkerLost(worker=worker):
                 for request_id in [i for i, h in self._held.items() if h.ask.worker == worker]:
                     self._forget(request_id)
@@ -236,7 +242,7 @@ class FlowState:
                 lacking = self._lacking(group, room, priority)
                 if lacking:
                     if not resume:  # one stepped aside never makes another step aside
-                        preempt = preemptions.ask(group, lacking, priority, counters.value)
+                        preempt = preemptions.ask(group, lacking, priority, counters.value, now)
                         if preempt is not None:
                             out.append(preempt)
                     break  # the best waiting request cannot start: nothing after it can

@@ -265,8 +265,8 @@ class FlowMetrics:
         )
         self.preemptions = Counter(
             "narwhal_preemptions",
-            "Running streams flow control asked to step aside for a more urgent request, by "
-            "their priority (flow.preempt_priority)",
+            "Running streams that stepped aside for a more urgent request when flow control "
+            "asked, by their priority (flow.preempt_priority)",
             ["priority"],
             registry=r,
         )
