@@ -165,8 +165,12 @@ async def test_compaction_keeps_etcd_under_its_quota(
     assert end_size - half_size < second_half_bytes / 4
     # Old revisions are gone, read back as compacted; the holder counted its compactions.
     assert "compacted" in (small_etcd.range_error(key, first_revision) or "")
-    assert counter(active.router, "narwhal_etcd_compactions_total", result="ok") >= 5
-    assert counter(active.router, "narwhal_etcd_compactions_total", result="failed") == 0
+    ok = counter(active.router, "narwhal_etcd_compactions_total", result="ok")
+    assert ok >= 5
+    # A compaction past the etcd request timeout (0.5 s here) is counted and the next tick
+    # compacts further (never fatal, docs/lease.md): beside a CPU-bound neighbour one in about
+    # a hundred was, while the database stayed far below its quota as asserted above.
+    assert counter(active.router, "narwhal_etcd_compactions_total", result="failed") <= ok / 20
     gauge = counter(active.router, "narwhal_etcd_db_size_bytes")
     assert 0 < gauge < QUOTA_BYTES
     # The standby read the same status but never compacted.
