@@ -50,10 +50,15 @@ class Timings:
     renew_interval_s: float = 0.4
     renew_deadline_s: float | None = None  # None: the derived default
     monitor_interval_s: float = 0.1
-    health_timeout_s: float = 0.5
+    # The standby's readiness check of the active (and the engines' health checks): at 0.5 s
+    # a loaded 2-core host once starved the active that long three checks in a row, and the
+    # standby took over before the scenario had begun.
+    health_timeout_s: float = 1.0
     takeover_threshold: int = 3
     monitor_failure_limit: int = 3
-    margin_s: float = 0.5  # scheduling, HTTP round trips and our 20 ms polling
+    # Scheduling, HTTP round trips and our 20 ms polling: 0.5 s was passed by 0.18 s once on
+    # a loaded host (a takeover in 4.78 s against 4.6 s).
+    margin_s: float = 1.0
 
     @property
     def deadline_s(self) -> float:
