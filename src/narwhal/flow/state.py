@@ -16,7 +16,8 @@ urgent priority, placed on that role, to step aside (`Preempt`). Its data plane 
 stream's decode leg off (the engine's slot frees), tells the queue (`Requeue`) and waits here
 for a new grant, right behind the requests as urgent as the one it stepped aside for; it goes on
 from its last delivered token on a fresh pair (exact migration, `dataplane/migration.py`). A
-stream that cannot step aside right then (between legs, or out of migrations) says `Kept`.
+stream that cannot step aside says `Kept`: for now (between legs, or before its first byte:
+asked again a little later) or for good (out of migrations, its generation delivered).
 """
 
 from __future__ import annotations
