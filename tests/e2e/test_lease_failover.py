@@ -555,7 +555,10 @@ async def test_killed_active_standby_serves_within_the_bound(pair: Pair) -> None
     # At every poll after the kill (so also after the old lease expired) at most one
     # router is ready: the killed one answers nothing, the standby only once it holds.
     assert not watch.split_brain(), watch.split_brain()
-    assert all(s.a is None for s in watch.since(killed + 0.05))
+    # Only the control process is killed: its workers see the channel end and close, and
+    # until they have (longer than 50 ms once on a loaded host) they may answer, never ready.
+    assert all(s.a != 200 for s in watch.since(killed + 0.05)), watch.since(killed + 0.05)
+    assert all(s.a is None for s in watch.since(killed + 1.0)), watch.since(killed + 1.0)
     # Exactly one ready from the takeover on: the standby keeps serving alone. (A sample is
     # stamped when both answers are in; 0.5 s skips polls sent before the takeover.)
     after_takeover = watch.since(took_over + 0.5)
