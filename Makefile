@@ -36,8 +36,8 @@ demo-vllm: $(STAMP)
 	VENV=$(VENV) scripts/demo-vllm.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff format --check src tests bench scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -56,11 +56,12 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-# The suite in two processes (pytest-xdist, a module per process at a time), then the real vLLM
-# module alone: an idle vLLM with the NixlConnector keeps cores busy and starves whatever runs
-# beside it. The slowest tests are listed at the end of each, so CI's log shows where the
-# suite's time goes (docs/testing.md).
-XDIST := -n 2 --dist loadfile
+# The suite in one process per idle CPU (pytest-xdist, a module per process at a time; two on
+# an idle 2-core machine, one beside a neighbour that keeps a core busy, measured at each part's
+# start: scripts/test_processes.py), then the real vLLM module alone: an idle vLLM with the
+# NixlConnector keeps cores busy and starves whatever runs beside it. The slowest tests are
+# listed at the end of each, so CI's log shows where the suite's time goes (docs/testing.md).
+XDIST = -n $$($(BIN)/python scripts/test_processes.py) --dist loadfile
 pytest: $(STAMP) system-deps
 	$(BIN)/pytest -q $(XDIST) --durations=25 -m 'not vllm'
 	$(BIN)/pytest -q --durations=5 -m vllm
