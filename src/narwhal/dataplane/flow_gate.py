@@ -20,14 +20,13 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar, cast
 
-import orjson
-
 from narwhal.config import Config
 from narwhal.dataplane.errors import error_answer
 from narwhal.dataplane.exchange import Answer, Exchange, Result
 from narwhal.dataplane.migration import migratable
 from narwhal.dataplane.outcomes import DeadlineExceeded, NotResumed, bad_request
 from narwhal.dataplane.policy import StepAside
+from narwhal.dataplane.record import usage_tokens
 from narwhal.dataplane.requests import BadRequest, ClientRequest, EmbeddingsRequest
 from narwhal.fleet.inflight import Choose, InFlightCounts
 from narwhal.flow.messages import (
@@ -83,7 +82,7 @@ class Ticket:
         """Tell flow control the request ended (with its tokens, when known); an answer gets
         the key's `x-ratelimit-*` headers."""
         source = result.body if isinstance(result, Answer) and result.status == 200 else None
-        prompt, output = usage(source or usage_source)
+        prompt, output = usage_tokens(source or usage_source)
         self._link.send(Done(self.id, output, prompt))
         _TICKET.set(None)
         if isinstance(result, Answer) and self.headers:
@@ -118,24 +117,6 @@ class TicketedInFlight:
             if ticket is not None:
                 ticket.placed_on(role, engine_id)
         return engine_id
-
-
-def usage(source: bytes | None) -> tuple[int | None, int | None]:
-    """(prompt_tokens, completion_tokens) of a JSON answer or an SSE data event's `usage`."""
-    if source is None:
-        return None, None
-    try:
-        parsed = orjson.loads(source.removeprefix(b"data: "))
-    except orjson.JSONDecodeError:
-        return None, None
-    found = parsed.get("usage") if isinstance(parsed, dict) else None
-    if not isinstance(found, dict):
-        return None, None
-    prompt, output = found.get("prompt_tokens"), found.get("completion_tokens")
-    return (
-        prompt if type(prompt) is int else None,
-        output if type(output) is int else None,
-    )
 
 
 def prompt_tokens(req: ClientRequest) -> int:

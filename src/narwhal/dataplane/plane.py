@@ -542,7 +542,7 @@ class DataPlane:
         if placer.refuse_full and not placer.below_limits(decodes, now)[1]:
             raise Saturated("every eligible decode engine is full")  # nor spend a prefill
         with (
-            self._placer.placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
+            placer.placed(Role.PREFILL, tried, model, prompt, cached) as prefill,
             self._spans.leg(exchange, attempt, "prefill", prefill.id),
         ):
             self._placed_on(exchange, prefill.id, None)
@@ -554,7 +554,7 @@ class DataPlane:
             )
         try:
             with (
-                self._placer.placed(Role.DECODE, tried, model, prompt, cached) as decode,
+                placer.placed(Role.DECODE, tried, model, prompt, cached) as decode,
                 self._spans.leg(exchange, attempt, "decode", decode.id),
             ):
                 self._placed_on(exchange, prefill.id, decode.id)

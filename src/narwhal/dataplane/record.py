@@ -57,6 +57,7 @@ class RequestRecord:
         return f"{self.attempt_base}-a{self.attempts}"
 
     def to_json(self) -> dict[str, Any]:
+        prompt_tokens, completion_tokens = usage_tokens(self.usage_source)
         return {
             "id": self.request_id,
             "endpoint": self.endpoint,
@@ -70,19 +71,25 @@ class RequestRecord:
             "migrations": self.migrations,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "duration_s": round(self.duration_s, 6),
-            **_tokens(self.usage_source),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
         }
 
 
-def _tokens(source: bytes | None) -> dict[str, int | None]:
-    """`prompt_tokens` and `completion_tokens` from a JSON answer or an SSE data event."""
-    usage = None
-    if source is not None:
-        try:
-            parsed = orjson.loads(source.removeprefix(b"data: "))
-        except orjson.JSONDecodeError:
-            parsed = None
-        usage = parsed.get("usage") if isinstance(parsed, dict) else None
-    if not isinstance(usage, dict):
-        return {"prompt_tokens": None, "completion_tokens": None}
-    return {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")}
+def usage_tokens(source: bytes | None) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) of a JSON answer's or an SSE data event's `usage`:
+    what the access log writes and what flow control charges the key."""
+    if source is None:
+        return None, None
+    try:
+        parsed = orjson.loads(source.removeprefix(b"data: "))
+    except orjson.JSONDecodeError:
+        return None, None
+    found = parsed.get("usage") if isinstance(parsed, dict) else None
+    if not isinstance(found, dict):
+        return None, None
+    prompt, output = found.get("prompt_tokens"), found.get("completion_tokens")
+    return (
+        prompt if type(prompt) is int else None,
+        output if type(output) is int else None,
+    )
