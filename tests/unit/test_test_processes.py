@@ -1,4 +1,5 @@
-"""scripts/test_processes.py: the suite runs one pytest process per idle CPU (docs/testing.md)."""
+"""scripts/test_processes.py: the suite runs one pytest process per idle CPU, at most two
+(docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def _script() -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize(
-    ("cpus", "busy", "expected"),
-    [(2, 0.05, 2), (2, 1.0, 1), (2, 0.6, 1), (2, 0.4, 2), (2, 3.0, 1), (8, 2.1, 6), (1, 0.0, 1)],
-)
+# (usable CPUs, CPUs busy, processes)
+CASES = [(2, 0.05, 2), (2, 1.0, 1), (2, 0.6, 1), (2, 0.4, 2), (2, 3.0, 1), (8, 2.1, 2), (8, 7.0, 1)]
+
+
+@pytest.mark.parametrize(("cpus", "busy", "expected"), [*CASES, (1, 0.0, 1)])
 def test_one_process_per_idle_cpu(cpus: int, busy: float, expected: int) -> None:
     assert _script().processes(cpus, busy) == expected
 
