@@ -83,7 +83,7 @@ def memory_per_block() -> None:
     expiring = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     print(f"exact index: {exact / blocks:.0f} bytes per block ({blocks} blocks)")
-    print(f"approximate + speculative: {expiring / (2 * blocks):.0f} bytes per entry")
+    print(f"placements (approximate and speculative): {expiring / blocks:.0f} bytes per entry")
 
 
 def ingestion_rate() -> None:

@@ -209,7 +209,7 @@ def test_the_approximate_tier_is_lru_bounded_tail_first() -> None:
     # One block of the older prompt had to go: its tail, so its head still matches.
     assert index.match(first, 2.0, approximate={"a"})["a"].matched_tokens == 12
     assert index.match(second, 2.0, approximate={"a"})["a"].matched_tokens == 8
-    assert index.blocks("a") == 5 + 5  # approximate and speculative, each bounded
+    assert index.blocks("a") == 5  # one entry per placed block, bounded by the capacity
     # A placement refreshes: the first prompt again, now the second is the oldest.
     index.note_placed("a", first, 3.0, capacity_blocks=5)
     assert index.match(second, 3.0, approximate={"a"})["a"].matched_tokens == 4
@@ -218,19 +218,33 @@ def test_the_approximate_tier_is_lru_bounded_tail_first() -> None:
 def test_expiry_frees_memory_too() -> None:
     index = _index()
     index.note_placed("a", prompt_keys(_tokens(16), BS), 0.0, capacity_blocks=100)
-    assert index.blocks() == 8
+    assert index.blocks() == 4  # one entry per block, read as speculative and approximate
     index.expire(now=5.0)
-    assert index.blocks() == 4  # the speculative entries are gone
+    assert index.blocks() == 4  # approximate still
+    index.expire(now=99.9)
+    assert index.blocks() == 4
     index.note_placed("b", prompt_keys(_tokens(4), BS), 100.0, capacity_blocks=100)
-    assert index.blocks("a") == 0 and index.blocks("b") == 2
+    assert index.blocks("a") == 0 and index.blocks("b") == 1
+
+
+def test_placements_count_for_the_longer_ttl_whichever_it_is() -> None:
+    # An odd configuration (the approximate TTL below the speculative one) still holds an
+    # approximate engine's placement for the speculative TTL, as every engine's.
+    index = ModelIndex(BS, approximate_ttl_s=1.0, speculative_ttl_s=5.0)
+    keys = prompt_keys(_tokens(8), BS)
+    index.note_placed("a", keys, now=0.0, capacity_blocks=100)
+    assert index.match(keys, now=4.9, approximate={"a"}) == {"a": PrefixMatch(8, 8)}
+    assert index.match(keys, now=5.0, approximate={"a"}) == {}
+    index.expire(now=5.0)
+    assert index.blocks() == 0
 
 
 def test_size_estimate() -> None:
     index = _index()
     index.apply("a", [_stored([1, 2, 3], None, _tokens(12))])
     index.note_placed("b", prompt_keys(_tokens(8), BS), 0.0, capacity_blocks=10)
-    assert index.blocks() == 3 + 4
-    assert index.estimated_bytes() == 3 * EXACT_BYTES_PER_BLOCK + 4 * EXPIRING_BYTES_PER_BLOCK
+    assert index.blocks() == 3 + 2
+    assert index.estimated_bytes() == 3 * EXACT_BYTES_PER_BLOCK + 2 * EXPIRING_BYTES_PER_BLOCK
 
 
 def test_block_size_below_one_is_refused() -> None:

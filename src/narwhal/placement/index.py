@@ -8,6 +8,8 @@ Three tiers, all keyed by Narwhal's block keys (keys.py):
 - approximate: what Narwhal placed on each engine, LRU-bounded by the engine's capacity and
   expiring after a TTL; used for engines without events, or whose stream is stale;
 - speculative: every placement, for a few seconds, until the engine's events confirm it.
+The last two are one table of placements (`_Placed`: each entry the time of its key's last
+placement on the engine), read with two TTLs: a placement is one update, not two.
 
 `match` walks the prompt's keys once: O(prompt blocks x engines still matching), never O(index).
 """
@@ -80,8 +82,9 @@ class _Exact:
         self.by_hash: dict[EngineHash, list[int]] = {}
 
 
-class _ExpiringTier:
-    """Entries that expire `ttl_s` after their last placement, LRU-bounded per engine."""
+class _Placed:
+    """Narwhal's placements: per key, per engine, when it was last placed there; per engine an
+    LRU bounded by its capacity, forgotten `ttl_s` (the approximate TTL, the longer) after."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
@@ -89,25 +92,32 @@ class _ExpiringTier:
         self._lru: dict[str, OrderedDict[BlockKey, float]] = {}
 
     def add(self, engine: str, keys: Sequence[BlockKey], now: float, capacity_blocks: int) -> None:
-        lru = self._lru.setdefault(engine, OrderedDict())
-        expires = now + self.ttl_s
+        lru = self._lru.get(engine)
+        if lru is None:
+            lru = self._lru[engine] = OrderedDict()
+        holders = self.holders
         # Deepest block first, so that the prompt's first blocks are the most recently used:
         # eviction takes a prefix's tail before its head, as an engine's own LRU does.
         for key in reversed(keys):
-            lru[key] = expires
+            lru[key] = now
             lru.move_to_end(key)
-            self.holders.setdefault(key, {})[engine] = expires
+            engines = holders.get(key)
+            if engines is None:
+                holders[key] = {engine: now}
+            else:
+                engines[engine] = now
         while len(lru) > capacity_blocks:
             key, _ = lru.popitem(last=False)
             self._unhold(key, engine)
         self.expire(now)
 
     def expire(self, now: float) -> None:
-        """Forget what expired (each engine's LRU is in expiry order: O(expired))."""
+        """Forget what expired (each engine's LRU is in placement order: O(expired))."""
+        oldest = now - self.ttl_s
         for engine, lru in self._lru.items():
             while lru:
-                key, expires = next(iter(lru.items()))
-                if expires > now:
+                key, placed = next(iter(lru.items()))
+                if placed > oldest:
                     break
                 lru.popitem(last=False)
                 self._unhold(key, engine)
@@ -140,8 +150,10 @@ class ModelIndex:
         self.block_size_tokens = block_size_tokens
         self._holders: dict[BlockKey, dict[str, int]] = {}
         self._exact: dict[str, _Exact] = {}
-        self._approximate = _ExpiringTier(approximate_ttl_s)
-        self._speculative = _ExpiringTier(speculative_ttl_s)
+        self._approximate_ttl_s = approximate_ttl_s
+        self._speculative_ttl_s = speculative_ttl_s
+        # Both TTLs' entries in one table, kept for the longer of the two.
+        self._placed = _Placed(max(approximate_ttl_s, speculative_ttl_s))
 
     # -- exact: an engine's events --------------------------------------------------------
 
@@ -242,8 +254,7 @@ class ModelIndex:
     def drop_engine(self, engine: str) -> None:
         """The engine holds nothing (cleared, restarted, ejected, removed): every tier."""
         self.clear_exact(engine)
-        self._approximate.drop(engine)
-        self._speculative.drop(engine)
+        self._placed.drop(engine)
 
     # -- approximate and speculative: Narwhal's placements --------------------------------
 
@@ -251,12 +262,10 @@ class ModelIndex:
         self, engine: str, keys: Sequence[BlockKey], now: float, *, capacity_blocks: int
     ) -> None:
         """Narwhal placed a prompt with these keys on the engine."""
-        self._approximate.add(engine, keys, now, capacity_blocks)
-        self._speculative.add(engine, keys, now, capacity_blocks)
+        self._placed.add(engine, keys, now, capacity_blocks)
 
     def expire(self, now: float) -> None:
-        self._approximate.expire(now)
-        self._speculative.expire(now)
+        self._placed.expire(now)
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -271,27 +280,25 @@ class ModelIndex:
         gpu_blocks: dict[str, int] = {}
         alive: dict[str, bool] = {}  # engine -> its prefix so far is all on the GPU
         exact_holders = self._holders
-        approx_holders = self._approximate.holders
-        spec_holders = self._speculative.holders
+        placed_holders = self._placed.holders
+        # A placement counts while younger than the speculative TTL on every engine, and the
+        # approximate TTL on an engine judged by placements.
+        spec_after = now - self._speculative_ttl_s
+        approx_after = min(now - self._approximate_ttl_s, spec_after)
         position = 0
         for position, key in enumerate(keys):
             exact = exact_holders.get(key)
-            approx = approx_holders.get(key)
-            spec = spec_holders.get(key)
+            placed = placed_holders.get(key)
             if position == 0:
                 if exact:
                     for engine, mask in exact.items():
                         if engine not in approximate:
                             alive[engine] = bool(mask & GPU)
-                if approx:
-                    for engine, expires in approx.items():
-                        if engine in approximate and expires > now:
+                if placed:
+                    for engine, when in placed.items():
+                        if when > (approx_after if engine in approximate else spec_after):
                             alive[engine] = True
-                if spec:
-                    for engine, expires in spec.items():
-                        if expires > now:
-                            alive[engine] = True
-            elif approx is None and spec is None:  # the common case: events only
+            elif placed is None:  # the common case: events only
                 for engine, on_gpu in list(alive.items()):
                     mask = 0 if exact is None else exact.get(engine, 0)
                     if not mask or engine in approximate:
@@ -304,7 +311,14 @@ class ModelIndex:
                         gpu_blocks[engine] = position
             else:
                 for engine, on_gpu in list(alive.items()):
-                    held, gpu = _holds(engine, exact, approx, spec, approximate, now)
+                    at = placed.get(engine)
+                    if at is not None and at > spec_after:
+                        continue  # speculative: held, on the GPU
+                    if engine in approximate:
+                        held = gpu = at is not None and at > approx_after
+                    else:
+                        mask = 0 if exact is None else exact.get(engine, 0)
+                        held, gpu = mask != 0, bool(mask & GPU)
                     if not held:
                         del alive[engine]
                         any_blocks[engine] = position
@@ -336,30 +350,12 @@ class ModelIndex:
             exact = sum(len(e.by_hash) for e in self._exact.values())
         else:
             exact = len(self._exact[engine].by_hash) if engine in self._exact else 0
-        return exact + self._approximate.blocks(engine) + self._speculative.blocks(engine)
+        return exact + self._placed.blocks(engine)
 
     def estimated_bytes(self) -> int:
         exact = sum(len(e.by_hash) for e in self._exact.values())
-        expiring = self._approximate.blocks() + self._speculative.blocks()
+        expiring = self._placed.blocks()
         return exact * EXACT_BYTES_PER_BLOCK + expiring * EXPIRING_BYTES_PER_BLOCK
-
-
-def _holds(
-    engine: str,
-    exact: dict[str, int] | None,
-    approx: dict[str, float] | None,
-    spec: dict[str, float] | None,
-    approximate: Collection[str],
-    now: float,
-) -> tuple[bool, bool]:
-    """(held in any tier, held on the GPU) for one engine and one key."""
-    if spec is not None and spec.get(engine, 0.0) > now:
-        return True, True
-    if engine in approximate:
-        held = approx is not None and approx.get(engine, 0.0) > now
-        return held, held
-    mask = 0 if exact is None else exact.get(engine, 0)
-    return mask != 0, bool(mask & GPU)
 
 
 def _extras(
