@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.test_lease_failover import Pair, RouterProcess, T, _wait_ready, running_pair
+from tests.e2e.test_lease_failover import Pair, RouterProcess, Timings, _wait_ready, running_pair
 from tests.support.poll import eventually
 from tests.support.sim_process import SimFactory
 
@@ -27,8 +27,14 @@ pytestmark = pytest.mark.slow
 
 QUEUE_LIMIT = 3
 ITL_MS = 100
-BLOCKER_TOKENS = 100  # the running request takes 10 s: the queue behind it stays full
+BLOCKER_TOKENS = 150  # the running request takes 15 s: the queue behind it stays full
 AT_ONCE_S = 1.0  # resumed -> every waiting request answered (the flow tick is 50 ms)
+# A longer lease than the failover scenarios' (2 s): this scenario is about the queue, not
+# the lease's bounds, and with a 2 s TTL the active judged its own lease lost before the
+# scenario began whenever a renewal took over 1.1 s, which a loaded 2-core host gave it
+# twice (a standby starting its workers beside another test's processes): the lease doing
+# its job, at a TTL no production lease has. The blocker runs past the longer takeover.
+T = Timings(ttl_s=4.0)
 
 
 def _engines(sim_factory: SimFactory) -> list[dict[str, Any]]:
