@@ -1,4 +1,5 @@
-"""Placement micro-benchmarks on one core: key hashing, index memory per block, ingestion rate.
+"""Placement micro-benchmarks on one core: key hashing, index memory per block, ingestion rate,
+and the request path's placement by prefix against placement by load.
 
     .venv/bin/python -m bench.placement_bench
 
@@ -143,8 +144,85 @@ def lookup_cost() -> None:
     )
 
 
+def request_path_cost() -> None:
+    """CPU per request of a leg pair's placement in one process (no I/O, no other worker):
+    parse the body, the prompt's ids and keys, the match, the prefill's and the decode's
+    pick with their counts and metrics; `prefix` with every prompt distinct (the router-bound
+    suite's bodies) and all the same (wrk's), and `least_loaded` with the same bodies."""
+    for policy, same in (("least_loaded", False), ("prefix", False), ("prefix", True)):
+        one = _request_path(policy, same)
+        for i in range(2000):
+            one(i)
+        best = float("inf")
+        for _ in range(5):
+            start = time.process_time()
+            for i in range(20_000):
+                one(i)
+            best = min(best, (time.process_time() - start) / 20_000)
+        bodies = "the same body" if same else "distinct bodies"
+        print(f"request path, {policy}, {bodies}: {best * 1e6:.1f} us per request")
+
+
+def _request_path(policy: str, same: bool) -> Callable[[int], None]:
+    import json
+    import tempfile
+    from dataclasses import replace
+    from pathlib import Path
+
+    from bench.loadgen.client import _number
+    from bench.tokenizer import write_tokenizer
+    from narwhal.clock import SystemClock
+    from narwhal.config import Role, parse_config
+    from narwhal.dataplane.placer import Placer
+    from narwhal.dataplane.prefix import PrefixPlacement
+    from narwhal.dataplane.requests import parse_request
+    from narwhal.fleet.store import Fleet
+    from narwhal.telemetry.metrics import DataMetrics
+
+    tokenizer = str(write_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer"))
+    config = parse_config(
+        {
+            "model": "m",
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode"},
+            ],
+            "placement": {"policy": policy, "tokenizers": {"m": tokenizer}},
+        }
+    )
+    clock = SystemClock()
+    fleet = Fleet(config.engines, clock)
+    for engine in list(fleet):
+        fleet._engines[engine.id] = replace(engine, verified=True, unverified_reason=None)
+    prefix = PrefixPlacement(config, clock)
+    prefix.sync(fleet, clock.monotonic())
+    placer = Placer(config, fleet, clock, prefix, DataMetrics())
+    # The router-bound suite's prompt (bench/loadgen/client.py): a shared half, the number.
+    words = [f"w{i % 256}" for i in range(28)]
+    head, rest = " ".join(words[:16]), " ".join(words[16:])
+    bodies = [
+        json.dumps(
+            {"model": "m", "prompt": f"{head} {_number(i).decode()} bnchld {rest}", "max_tokens": 8}
+        ).encode()
+        for i in range(1 if same else 20_000)
+    ]
+
+    def one(i: int) -> None:
+        req = parse_request("completions", bodies[0 if same else i], "m")
+        prompt = prefix.prompt_now(req, "m") if prefix.enabled else None
+        cached = prefix.match(prompt) if prompt is not None else None
+        tried: set[str] = set()
+        with placer.placed(Role.PREFILL, tried, "m", prompt, cached):
+            pass
+        with placer.placed(Role.DECODE, tried, "m", prompt, cached):
+            pass
+
+    return one
+
+
 if __name__ == "__main__":
     keys_cost()
     memory_per_block()
     ingestion_rate()
     lookup_cost()
+    request_path_cost()

@@ -221,7 +221,7 @@ def test_expiry_frees_memory_too() -> None:
     assert index.blocks() == 4  # one entry per block, read as speculative and approximate
     index.expire(now=5.0)
     assert index.blocks() == 4  # approximate still
-    index.expire(now=99.9)
+    index.expire(now=99.0)
     assert index.blocks() == 4
     index.note_placed("b", prompt_keys(_tokens(4), BS), 100.0, capacity_blocks=100)
     assert index.blocks("a") == 0 and index.blocks("b") == 1

@@ -18,6 +18,7 @@ from narwhal.placement.tokenizer import (
     OFF_LOOP_CHARS,
     ModelTokenizer,
     PromptTokenizer,
+    PromptTokens,
     plain_chat_text,
     pseudo_token_ids,
 )
@@ -133,15 +134,25 @@ async def test_a_long_prompt_is_encoded_off_the_loop_and_then_found_cached(
     assert tok.cache_misses == 1  # not warmed: encoded on the loop
 
 
-async def test_a_long_chat_is_rendered_and_encoded_off_the_loop(model_dir: Path) -> None:
-    prompts = PromptTokenizer({"m": ModelTokenizer.from_path(model_dir)})
+async def test_a_long_chat_is_rendered_once_and_encoded_off_the_loop(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = ModelTokenizer.from_path(model_dir)
+    prompts = PromptTokenizer({"m": model})
     body = chat(("user", "hello narwhal " * (OFF_LOOP_CHARS // 14 + 1)))
-    await prompts.warm("m", None, body)
-    tokens = prompts.chat("m", body)
-    model = prompts.model("m")
-    assert model is not None and (model.cache_hits, model.cache_misses) == (1, 0)
-    assert tokens.exact
-    await prompts.warm("other", "anything", None)  # a model without a tokenizer: nothing
+    renders = []
+    render = model.render_chat
+    monkeypatch.setattr(model, "render_chat", lambda b: renders.append(1) or render(b))
+    tokens = await prompts.chat_async("m", body)
+    assert renders == [1]
+    # Encoded in the thread and cached there; the request's encode found it.
+    assert (model.cache_hits, model.cache_misses) == (1, 0)
+    assert tokens == prompts.chat("m", body) and tokens.exact
+    long = "hello narwhal " * (OFF_LOOP_CHARS // 14 + 1)
+    assert (await prompts.completion_async("m", long)).ids == model.completion_ids(long)
+    # A model without a tokenizer: pseudo ids, nothing encoded.
+    other = await prompts.completion_async("other", "anything")
+    assert other == PromptTokens(pseudo_token_ids("anything"), exact=False)
 
 
 def test_pseudo_ids_are_four_bytes_each_and_keep_prefixes() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -225,17 +225,18 @@ class PrefixPlacement:
     # ------------------------------------------------------------ the request path
     async def prompt(self, req: ClientRequest, model: str) -> Prompt | None:
         """The request's block keys (None: placement by load only). A long prompt is encoded
-        off the event loop first (`PromptTokenizer.warm`)."""
+        off the event loop (`PromptTokenizer.chat_async`, `completion_async`)."""
         if self._tokenizer is None:
             return None
         body: dict[str, Any] = req.body
         if req.endpoint == "chat":
-            await self._tokenizer.warm(model, None, body)
+            tokens = await self._tokenizer.chat_async(model, body)
         else:
-            text = body.get("prompt")
-            if isinstance(text, str):
-                await self._tokenizer.warm(model, text, None)
-        return self.prompt_now(req, model)
+            text = _completion_prompt(body)
+            if text is None:
+                return None
+            tokens = await self._tokenizer.completion_async(model, text)
+        return self._keyed(model, tokens.ids, body)
 
     def prompt_now(self, req: ClientRequest, model: str) -> Prompt | None:
         """`prompt`, all on the event loop (`/admin/placement`'s explanation)."""
@@ -243,14 +244,15 @@ class PrefixPlacement:
             return None
         body: dict[str, Any] = req.body
         if req.endpoint == "chat":
-            ids = self._tokenizer.chat(model, body).ids
+            tokens = self._tokenizer.chat(model, body)
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-                prompt = prompt[0]  # one prompt of a batch: parts are placed one by one
-            if not isinstance(prompt, str | list):
+            text = _completion_prompt(body)
+            if text is None:
                 return None
-            ids = self._tokenizer.completion(model, prompt).ids
+            tokens = self._tokenizer.completion(model, text)
+        return self._keyed(model, tokens.ids, body)
+
+    def _keyed(self, model: str, ids: Sequence[int], body: dict[str, Any]) -> Prompt:
         keys = tuple(self.index.keys(model, ids, cache_salt=_salt(body)))
         return Prompt(model, keys, len(ids))
 
@@ -264,7 +266,7 @@ class PrefixPlacement:
         role: Role,
         candidates: Sequence[Candidate],
         turn: int,
-        exclude: Iterable[str] = (),
+        exclude: Collection[str] = (),
         matched: Mapping[str, PrefixMatch] | None = None,
     ) -> list[Ranked]:
         """The candidates best first, those in `exclude` last. `matched`: the prompt's
@@ -275,8 +277,9 @@ class PrefixPlacement:
         loads = [self.load(c, now) for c in candidates]
         hits = {engine: m.matched_tokens for engine, m in matched.items()}
         ranked = rank(loads, hits, prompt.tokens, turn, decode=role is Role.DECODE)
-        skip = set(exclude)
-        return [r for r in ranked if r.id not in skip] + [r for r in ranked if r.id in skip]
+        if not any(r.id in exclude for r in ranked):
+            return ranked
+        return [r for r in ranked if r.id not in exclude] + [r for r in ranked if r.id in exclude]
 
     def load(self, candidate: Candidate, now: float) -> Load:
         """Narwhal's in-flight legs, and the engine's own count and KV usage while fresh."""
@@ -349,6 +352,15 @@ class PrefixPlacement:
         # Its events are this process's to expect only if it expected new blocks: not known here.
         covered = len(keys) * (self.index.block_size(model) or 0)
         self.index.note_placed(model, engine_id, keys, now, matched_tokens=covered)
+
+
+def _completion_prompt(body: dict[str, Any]) -> str | list[int] | None:
+    """A completions body's prompt as placement keys it: the text or token ids; of a batch,
+    the first (its parts are placed one by one); None for anything else."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str | list) else None
 
 
 def _salt(body: dict[str, Any]) -> str | None:
