@@ -18,6 +18,7 @@ import pytest
 
 import narwhal
 from narwhal.sim.fleet import check_layout, fleet_specs
+from tests.support.etcd import unassigned_port
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
 from tests.support.sim_process import READY_PREFIX, SimFactory, SimProcess
@@ -90,21 +91,10 @@ def test_freeze_and_thaw(sim_factory: SimFactory) -> None:
 
 
 def _free_base_port() -> int:
-    """A port P with P, P+100 free (checked by binding; good enough for a test)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        if base + 100 >= 65536:
-            continue
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 100))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no free port pair")
+    """A port P with P, P+100 free, both outside the kernel's ephemeral range (a port the
+    kernel picked could become another connection's local end before the fleet binds it: CI
+    lost a run to that, the fleet exiting before its banner)."""
+    return unassigned_port(span=100)
 
 
 @pytest.mark.slow
@@ -120,6 +110,9 @@ def test_the_fleet_starts_and_stops_its_engines(stop: str) -> None:
     try:
         assert fleet.stdout is not None
         lines = [fleet.stdout.readline().strip() for _ in range(3)]
+        if "" in lines:  # it ended before its banner: say why
+            _, stderr = fleet.communicate(timeout=30)
+            raise AssertionError(f"the fleet ended ({fleet.returncode}): {lines} {stderr}")
         assert lines == [
             f"narwhal-sim fleet: prefill prefill-0 http://127.0.0.1:{base}",
             f"narwhal-sim fleet: decode decode-0 http://127.0.0.1:{base + 100}",

@@ -41,28 +41,31 @@ _PRIORITY = ("nice", "-n", "-10") if shutil.which("nice") else ()
 
 
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port for a server a test starts: `unassigned_port`. (It was one the kernel
+    picked, from its ephemeral range: between the pick and the server's bind, any outgoing
+    connection on the host, the other pytest process's included, could take it as its local
+    end, and the server then failed to start.)"""
+    return unassigned_port()
 
 
-def unassigned_port() -> int:
+def unassigned_port(span: int = 0) -> int:
     """A TCP port free now and outside the kernel's ephemeral range, for a server that binds
-    it long after it is picked (vLLM binds its NIXL side channel a minute into its start):
-    an ephemeral port can meanwhile become the local end of any outgoing connection on the
-    host (CI once lost a vLLM start to that: "Address already in use"); this one only to a
-    process that binds it by number."""
+    it after it is picked (vLLM binds its NIXL side channel a minute into its start): an
+    ephemeral port can meanwhile become the local end of any outgoing connection on the host
+    (CI once lost a vLLM start to that: "Address already in use"; another run a simulated
+    fleet's); this one only to a process that binds it by number. With `span`, the port
+    `span` above it is free and outside the range too."""
     low, high = _ephemeral_range()
-    spans = [(p, q) for p, q in ((10_000, low), (high + 1, 65_536)) if q - p > 1000]
+    spans = [(p, q - span) for p, q in ((10_000, low), (high + 1, 65_536)) if q - span - p > 1000]
     rng = random.Random()
     for _ in range(200):
         start, end = rng.choice(spans)
         port = rng.randrange(start, end)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, socket.socket() as t:
             try:
                 s.bind(("0.0.0.0", port))
+                if span:
+                    t.bind(("0.0.0.0", port + span))
             except OSError:
                 continue
             return port

@@ -345,3 +345,25 @@ def test_in_the_bench_shape_preemption_starts_priority_0_at_once_and_keeps_the_t
     # A stream that stepped aside goes on soon: it ranks right behind the urgency it lent
     # its slot to (ranked by its own priority, the pauses here reach 0.89 s, p99 0.78 s).
     assert max(pauses) < 0.5, sorted(pauses)[-5:]
+
+
+def test_a_slot_a_stream_freed_goes_to_its_own_model_first_on_an_engine_two_models_share() -> None:
+    """One decode slot on an engine serving two models (a base model and a LoRA adapter): the
+    other model's request waited first, but the slot the preempted stream freed is the urgent
+    request's, and the other model's request is not granted on top of it."""
+    state = policies()
+    state.preemptions.priority = 0
+    state.shares = lambda group, other, role: True
+    fleet = full_decode(state, 2)  # r0 of model m holds the slot
+    assert state.step(ask(5, 2, group="lora"), 1.0, fleet) == []  # waits first
+    assert preempts(state.step(ask(9, 0), 2.0, fleet)) == ["r0"]
+    fleet.free["decode"] = 1
+    out = state.step(Requeue("r0"), 2.01, fleet)
+    assert ids(out, Start) == ["r9"]
+    assert state.step(Tick(), 2.02, fleet) == []  # r9's grant is not placed yet: no room
+    state.step(Begun("r9", "prefill", "p0"), 2.03, fleet)
+    fleet.free["decode"] = 0
+    state.step(Begun("r9", "decode", "d0"), 2.03, fleet)
+    fleet.free["decode"] = 1
+    out = state.step(Done("r9", output_tokens=1), 2.1, fleet)
+    assert ids(out, Start) == ["r0"]  # it goes on, ahead of the other model's request

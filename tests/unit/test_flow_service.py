@@ -12,7 +12,7 @@ from narwhal.clock import FakeClock
 from narwhal.config import Config
 from narwhal.control.flow import FlowService
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.events import HoldRequested, Readmitted
+from narwhal.fleet.events import HoldRequested, Readmitted, VerificationSeen
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.store import Fleet
 from narwhal.flow.messages import (
@@ -211,3 +211,15 @@ def test_a_stream_stepping_aside_as_the_router_stops_admitting_is_answered_not_s
     assert not [a for a in h.answers if isinstance(a, Start)], h.answers
     assert sorted(a.id for a in h.answers if isinstance(a, Refuse)) == ["s", "urgent"]
     assert len(h.service.state) == 0
+
+
+def test_two_models_share_a_role_while_an_eligible_engine_of_it_serves_both() -> None:
+    """A LoRA adapter served by one decode engine: the adapter and the base model compete
+    for that engine's decode slots (flow/state.py counts each one's unplaced grants against
+    the other), not for the prefill engine that serves the base model alone."""
+    service, fleet = _pd_service()
+    fleet.apply(VerificationSeen("d0", True, "models", models=("m", "adapter")), 0.0)
+    assert service.shares("m", "adapter", "decode") and service.shares("adapter", "m", "decode")
+    assert not service.shares("m", "adapter", "prefill")
+    fleet.apply(HoldRequested("d0", HoldName.OPERATOR_DRAIN, "drain"), 0.0)
+    assert not service.shares("m", "adapter", "decode")  # d0 takes nobody's new work

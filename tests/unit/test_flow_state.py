@@ -214,3 +214,22 @@ def test_a_role_without_eligible_engines_does_not_hold_requests() -> None:
     state = policies()
     [start] = state.step(ask(0), 0.0, lambda group: {})
     assert isinstance(start, Start)
+
+
+def test_a_grant_not_yet_placed_counts_against_every_model_sharing_its_engines() -> None:
+    """Two models on the same engines (a base model and its LoRA adapters): a grant of one
+    takes a slot the other's room still shows free until its leg is placed, so a burst over
+    both models is never granted past the slots; models on separate engines are not held."""
+    shared, fleet = policies(), Fleet(prefill=2, decode=1)
+    shared.shares = lambda group, other, role: True
+    out = [*shared.step(ask(0), 0.0, fleet), *shared.step(ask(1, group="lora"), 0.0, fleet)]
+    assert ids(out, Start) == ["r0"] and shared.waiting() == 1
+    shared.step(Begun("r0", "prefill", "p0"), 0.1, fleet)
+    fleet.free["decode"] = 0
+    assert shared.step(Begun("r0", "decode", "d0"), 0.1, fleet) == []
+    fleet.free["decode"] = 1
+    assert ids(shared.step(Done("r0", output_tokens=1), 0.2, fleet), Start) == ["r1"]
+
+    apart, fleet = policies(), Fleet(prefill=2, decode=1)
+    out = [*apart.step(ask(0), 0.0, fleet), *apart.step(ask(1, group="lora"), 0.0, fleet)]
+    assert ids(out, Start) == ["r0", "r1"]

@@ -86,6 +86,7 @@ class FlowService:
         self.state.headroom = Headroom(config.flow.headroom_slots, config.flow.headroom_priority)
         self.state.preemptions.priority = config.flow.preempt_priority
         self.state.preemptions.frees = self.frees
+        self.state.shares = self.shares
 
     def reconfigure(self, config: Config) -> None:
         """A reload: the new limits and key policies; the queue resized (what it sheds is
@@ -186,6 +187,13 @@ class FlowService:
             ]
             free[role.value] = free_slots(views, self._limits)
         return free
+
+    def shares(self, group: str, other: str, role: str) -> bool:
+        """Whether an eligible engine of `role` serves both models (a base model and its LoRA
+        adapters on one engine): a grant of one then takes a slot the other counted free."""
+        fleet, now, needed = self._fleet, self._clock.monotonic(), Role(role)
+        mine = {c.id for c in fleet.candidates(needed, now, group)}
+        return any(c.id in mine for c in fleet.candidates(needed, now, other))
 
     def _no_room(self, group: str) -> Mapping[str, float]:
         return dict.fromkeys(self.room(group), 0.0)

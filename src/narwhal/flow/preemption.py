@@ -40,6 +40,10 @@ class Preemptions:
         self._running: dict[str, dict[str, Held]] = {}
         self._asked: dict[str, int] = {}
         self._resumes: dict[str, list[tuple[int, int, str]]] = {}
+        # Groups whose stream stepped aside and which have not been granted since: the slot
+        # freed is theirs first (engines shared by models: another model's request must not
+        # take it).
+        self._owed: dict[str, int] = {}
         self._turns = 0
 
     # ---------------------------------------------------------------- reading
@@ -56,13 +60,25 @@ class Preemptions:
         resumes = self._resumes.get(group)
         return None if resumes is None else resumes[0][0]
 
+    def owed(self) -> list[str]:
+        """The groups owed a grant for a slot their stepped-aside stream freed."""
+        return list(self._owed)
+
     def resuming(self) -> list[str]:
         """Every stream waiting to go on (a fence answers them)."""
         return [request_id for r in self._resumes.values() for _, _, request_id in r]
 
     # ---------------------------------------------------------------- changes
     def started(self, held: Held) -> None:
-        """Granted: a stream that may step aside is a candidate from now on."""
+        """Granted: a stream that may step aside is a candidate from now on. The group's
+        first grant after a stream stepped aside pays what it was owed."""
+        group = held.ask.group
+        owed = self._owed.get(group)
+        if owed is not None:
+            if owed > 1:
+                self._owed[group] = owed - 1
+            else:
+                del self._owed[group]
         if held.preemptible:
             self._running.setdefault(held.ask.group, {})[held.ask.id] = held
 
@@ -112,6 +128,7 @@ class Preemptions:
         """A stream asked is off its engine: it waits to go on."""
         self._not_asked(held)
         self._not_running(held)
+        self._owed[held.ask.group] = self._owed.get(held.ask.group, 0) + 1
         self._turns += 1
         held.resuming = (held.stepped_for, self._turns)
         held.enqueued_at = now

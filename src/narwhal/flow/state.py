@@ -99,6 +99,9 @@ class FlowState:
         self._unplaced: dict[tuple[str, str], int] = {}  # (group, role): grants not placed
         self._starts: deque[float] = deque(maxlen=_RATE_WINDOW)
         self.preemptions = Preemptions()
+        # Whether two groups' engines of a role overlap (one engine serving several models:
+        # a base model and its LoRA adapters); set by the service from the fleet.
+        self.shares: Callable[[str, str, str], bool] = _never
 
     # ---------------------------------------------------------------- reading
     def __contains__(self, request_id: object) -> bool:
@@ -232,30 +235,48 @@ class FlowState:
             *self._waiting_groups,
             *(g for g in preemptions.groups() if g not in self._waiting_groups),
         ]
-        for group in groups:
-            while True:
+        blocked: set[str] = set()
+        while True:
+            # The most urgent next request of the groups not blocked: groups whose engines
+            # overlap (a base model and its LoRA adapters) compete for the same slots, so a
+            # group's turn is its urgency's, not its place in the list. A group owed the slot
+            # its stepped-aside stream freed goes first. (Groups on separate engines do not
+            # compete: their order changes nothing.)
+            owed = preemptions.owed()
+            best: tuple[tuple[bool, int, int], str, int, bool] | None = None
+            for index, group in enumerate(groups):
+                if group in blocked:
+                    continue
                 queued = self.queue.next_priority(group)
                 rank = preemptions.rank(group)  # a stream that stepped aside, to go on
                 resume = rank is not None and (queued is None or rank < queued)
                 priority = rank if resume else queued
                 if priority is None:
-                    break
-                lacking = self._lacking(group, room, priority)
-                if lacking:
-                    if not resume:  # one stepped aside never makes another step aside
-                        preempt = preemptions.ask(group, lacking, priority, counters.value, now)
-                        if preempt is not None:
-                            out.append(preempt)
-                    break  # the best waiting request cannot start: nothing after it can
-                if resume:
-                    held = self._held[preemptions.resume(group)]
-                    held.resuming = None
-                else:
-                    head = self.queue.next_start(group)
-                    assert head is not None
-                    held = self._held[head.id]
-                    self._left_queue(held)
-                out.append(self._grant(held, room, now, {}))
+                    blocked.add(group)
+                    continue
+                order = (group not in owed, priority, index)
+                if best is None or order < best[0]:
+                    best = (order, group, priority, resume)
+            if best is None:
+                return
+            _, group, priority, resume = best
+            lacking = self._lacking(group, room, priority)
+            if lacking:
+                if not resume:  # one stepped aside never makes another step aside
+                    preempt = preemptions.ask(group, lacking, priority, counters.value, now)
+                    if preempt is not None:
+                        out.append(preempt)
+                blocked.add(group)  # its best waiting request cannot start: nothing after it
+                continue
+            if resume:
+                held = self._held[preemptions.resume(group)]
+                held.resuming = None
+            else:
+                head = self.queue.next_start(group)
+                assert head is not None
+                held = self._held[head.id]
+                self._left_queue(held)
+            out.append(self._grant(held, room, now, {}))
 
     def _has_room(self, group: str, room: Room, priority: int) -> bool:
         return not self._lacking(group, room, priority)
@@ -266,8 +287,18 @@ class FlowState:
         requests)."""
         kept = self.headroom.slots if priority > self.headroom.priority else 0
         return {
-            role for role, free in room(group).items() if free <= self.unplaced(group, role) + kept
+            role for role, free in room(group).items() if free <= self._pending(group, role) + kept
         }
+
+    def _pending(self, group: str, role: str) -> int:
+        """Grants not yet placed that `group`'s free slots of `role` must still cover: its own,
+        and those of every group whose engines of the role overlap its own (their legs may
+        land on the same engines; counted as if they all would)."""
+        pending = self.unplaced(group, role)
+        for (other, other_role), count in self._unplaced.items():
+            if other_role == role and other != group and self.shares(group, other, role):
+                pending += count
+        return pending
 
     def _grant(self, held: Held, room: Room, now: float, headers: Mapping[str, str]) -> Start:
         group = held.ask.group
@@ -394,3 +425,8 @@ _MESSAGES = {
         "Please retry later."
     ),
 }
+
+
+def _never(group: str, other: str, role: str) -> bool:
+    """No two groups share an engine (the state alone knows no engines)."""
+    return False
