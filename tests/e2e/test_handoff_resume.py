@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from narwhal.fleet.holds import HoldName
 from narwhal.fleet.store import Fleet
 from narwhal.state.atomic import Filesystem, host_tag
 from narwhal.state.handoff import build_document, load_schema
+from tests.support.etcd import unassigned_port
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter, router_config
 from tests.support.sim_process import SimFactory, SimProcess
@@ -55,9 +55,7 @@ def dead_pid() -> int:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{unassigned_port()}"  # no kernel-picked port lands there
 
 
 async def get(url: str) -> tuple[int, str]:

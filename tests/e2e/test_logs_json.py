@@ -15,7 +15,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.etcd import unassigned_port
+
 LEVELS = {"debug", "info", "warning", "error", "critical"}
 TRANSITION = re.compile(
     r"^engine (?P<id>\S+): (?P<before>\S+) -> (?P<after>\S+) \((?P<reason>.+)\)$"
@@ -32,9 +33,7 @@ TRANSITION = re.compile(
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return unassigned_port()  # no kernel-picked port lands there: it stays closed
 
 
 def serve_command() -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from narwhal.control.monitor import STAGE_ORDER
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.intervals import Window
+from tests.support.etcd import unassigned_port
 from tests.support.poll import eventually
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory
@@ -73,9 +73,7 @@ def test_the_documented_table_parses() -> None:
 
 # --------------------------------------------------------------------------- the scenario
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return unassigned_port()  # no kernel-picked port lands there: it stays closed
 
 
 class FailOnce:

@@ -425,9 +425,7 @@ class _RouterProcess:
 
 @pytest.fixture
 def router_process(tmp_path: Path, sims: list[SimProcess]) -> Iterator[_RouterProcess]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: nothing else takes it before the router
     rp = _RouterProcess(tmp_path, _engines(sims), port=port, workers=2)
     rp.start()
     try:
