@@ -66,6 +66,25 @@ async def test_batched_prompts_with_n_are_one_pd_request_per_choice_merged_in_or
     assert [ch.index for ch in chat.choices] == [0, 1] and chat.choices[1].message.content
 
 
+async def test_a_prompt_given_as_a_list_of_one_text_is_served_as_that_text(
+    sim_factory: SimFactory, start_router: StartRouter
+) -> None:
+    """`prompt=["..."]` is one prompt, placed by prefix (the default placement) as its text:
+    it was taken for token ids there, refused by the key hash, and the request failed."""
+    p0, d0 = sim_factory.start_many([P, D])
+    engines = [
+        {"id": "p0", "url": p0.url, "role": "prefill"},
+        {"id": "d0", "url": d0.url, "role": "decode"},
+    ]
+    rr = await start_router(engines, placement={"policy": "prefix"})
+    args: dict[str, Any] = {"model": "demo-model", "max_tokens": 3, "seed": 1}
+    async with _client(rr) as c:
+        alone = await c.completions.create(prompt="one two three", **args)
+        listed = await c.completions.create(prompt=["one two three"], **args)
+    assert [ch.text for ch in listed.choices] == [ch.text for ch in alone.choices]
+    assert listed.usage is not None and listed.usage.prompt_tokens == 3
+
+
 async def test_with_one_data_connection_the_parts_take_turns(
     sim_factory: SimFactory, start_router: StartRouter
 ) -> None:

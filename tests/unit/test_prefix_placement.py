@@ -269,3 +269,26 @@ def test_the_explanation_of_a_unified_model_names_its_engine_for_both_legs() -> 
     assert [r["id"] for r in view["prefill"]] == ["u0", "u1"]
     assert view["decode"] == view["prefill"]
     assert view["chosen"] == {"prefill": "u0", "decode": "u0"}
+
+
+def test_a_prompt_given_as_a_list_of_one_text_is_placed_as_that_text() -> None:
+    """`"prompt": ["text"]` is one prompt (the API accepts it): keyed as the text, where its
+    one string was once taken for token ids and refused by the key hash."""
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    prefix.sync(states().values(), clock.monotonic())
+    as_text = prefix.prompt_now(parse_request("completions", _body(PROMPT), "m"), "m")
+    listed = b'{"model": "m", "prompt": ["%s"], "max_tokens": 1}' % PROMPT.encode()
+    as_list = prefix.prompt_now(parse_request("completions", listed, "m"), "m")
+    assert as_text is not None and as_text.keys and as_list == as_text
+
+
+def test_token_ids_no_engine_has_are_placed_by_load_not_refused_here() -> None:
+    """A negative id, or one past 32 bits, cannot be keyed: placed by load (None), and the
+    engine answers the request with its own 400."""
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    prefix.sync(states().values(), clock.monotonic())
+    for ids in (b"[-1, 5]", b"[%d]" % (1 << 40)):
+        body = b'{"model": "m", "prompt": %s, "max_tokens": 1}' % ids
+        assert prefix.prompt_now(parse_request("completions", body, "m"), "m") is None

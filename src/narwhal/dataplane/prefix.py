@@ -29,7 +29,7 @@ from narwhal.fleet.state import Candidate, EngineState
 from narwhal.fleet.store import Fleet
 from narwhal.placement.facade import Placement
 from narwhal.placement.index import PrefixMatch
-from narwhal.placement.keys import BlockKey
+from narwhal.placement.keys import BlockKey, InvalidTokens
 from narwhal.placement.load import EngineLoad
 from narwhal.placement.score import Load, Ranked, rank
 from narwhal.placement.subscriber import KvEventsEndpoint, subscribe
@@ -252,8 +252,13 @@ class PrefixPlacement:
             tokens = self._tokenizer.completion(model, text)
         return self._keyed(model, tokens.ids, body)
 
-    def _keyed(self, model: str, ids: Sequence[int], body: dict[str, Any]) -> Prompt:
-        keys = tuple(self.index.keys(model, ids, cache_salt=_salt(body)))
+    def _keyed(self, model: str, ids: Sequence[int], body: dict[str, Any]) -> Prompt | None:
+        """The prompt's keys; None (placed by load) for token ids no engine has (negative, or
+        past 32 bits): the engine answers those with its own 400."""
+        try:
+            keys = tuple(self.index.keys(model, ids, cache_salt=_salt(body)))
+        except InvalidTokens:
+            return None
         return Prompt(model, keys, len(ids))
 
     def match(self, prompt: Prompt) -> dict[str, PrefixMatch]:
@@ -355,12 +360,17 @@ class PrefixPlacement:
 
 
 def _completion_prompt(body: dict[str, Any]) -> str | list[int] | None:
-    """A completions body's prompt as placement keys it: the text or token ids; of a batch,
-    the first (its parts are placed one by one); None for anything else."""
+    """A completions body's prompt as placement keys it: the text or token ids; of a list of
+    prompts, the first (a batch's parts are placed one by one; `["text"]` is one prompt);
+    None for anything else."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
         prompt = prompt[0]
-    return prompt if isinstance(prompt, str | list) else None
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    return None
 
 
 def _salt(body: dict[str, Any]) -> str | None:
