@@ -827,6 +827,8 @@ class Router:
             placed=self.dataplane.prefix.placed_elsewhere,
             flow=self.flow,
         )
+        if self.ownership is not None:
+            self.ownership.keeper.on_window = sup.send_gate
         bound = sup.reserve(host, port)
         await web.UnixSite(runner, sup.control_socket).start()
         sup.metrics_dir.mkdir()

@@ -191,16 +191,21 @@ class Http:
         """/ready's status; None when the router refused or broke the connection, and
         `TIMED_OUT` when it gave no answer within the poll's 0.3 s (on a loaded host a live
         router can be that slow: such a poll says nothing either way)."""
+        return (await self.probe(router))[0]
+
+    async def probe(self, router: RouterProcess) -> tuple[int | None, str]:
+        """`status`, and the body of a 503 (why: kept in samples, so that a failing
+        assertion shows what the router said)."""
         try:
             async with self.session.get(
                 router.url + "/ready", timeout=aiohttp.ClientTimeout(total=0.3)
             ) as resp:
-                await resp.read()
-                return resp.status
+                body = await resp.read()
+                return resp.status, "" if resp.status == 200 else body.decode(errors="replace")
         except TimeoutError:
-            return TIMED_OUT
+            return TIMED_OUT, ""
         except (aiohttp.ClientError, OSError):
-            return None
+            return None, ""
 
     async def json(self, router: RouterProcess, path: str, timeout_s: float = 5.0) -> Any:
         answer = await self.call("GET", router.url + path, timeout_s=timeout_s)
@@ -221,6 +226,7 @@ class Sample:
     t: float  # monotonic, when the two polls were sent
     a: int | None  # /ready status; None: refused; TIMED_OUT: no answer in time
     b: int | None
+    why: str = ""  # the 503 bodies, "a: ...; b: ..."
 
 
 TIMED_OUT = -1
@@ -261,8 +267,11 @@ class ReadyWatch:
             # what was true when it was asked (the clean-clone run of 2026-12-07 11:00 had
             # one b=503 stamped just after b's first 200, its answer late behind a's).
             sent = time.monotonic()
-            sa, sb = await asyncio.gather(self.http.status(self.a), self.http.status(self.b))
-            self.samples.append(Sample(sent, sa, sb))
+            (sa, wa), (sb, wb) = await asyncio.gather(
+                self.http.probe(self.a), self.http.probe(self.b)
+            )
+            why = "; ".join(f"{n}: {w}" for n, w in (("a", wa), ("b", wb)) if w)
+            self.samples.append(Sample(sent, sa, sb, why))
             await asyncio.sleep(0.02)
 
     def since(self, t: float) -> list[Sample]:

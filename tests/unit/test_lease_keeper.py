@@ -13,7 +13,13 @@ import pytest
 
 from narwhal.clock import FakeClock
 from narwhal.config import LeaseConfig
-from narwhal.state.lease import LeaseKeeper, LeaseRecord, Role, StoreUnavailable
+from narwhal.state.lease import (
+    AdmissionWindow,
+    LeaseKeeper,
+    LeaseRecord,
+    Role,
+    StoreUnavailable,
+)
 
 TTL_S = 10.0
 RENEW_S = 2.0
@@ -140,6 +146,26 @@ async def test_renewal_keeps_the_epoch(world: World) -> None:
     assert world.a.role is Role.ACTIVE and world.a.epoch == 1
     assert world.store.record == LeaseRecord("router-a", 1, world.clock.wall() + TTL_S)
     assert world.reasons() == (None, "standby: lease held by nobody")
+
+
+async def test_every_change_of_the_admission_window_is_told_at_once(world: World) -> None:
+    """Workers judge by a copy of the window: the keeper tells each acquisition, renewal and
+    fencing as it happens, never a failed attempt that changed nothing."""
+    told: list[AdmissionWindow] = []
+    world.a.on_window = lambda: told.append(world.a.admission_window())
+    assert await world.a.try_acquire(preempt=False)
+    start = world.clock.monotonic()  # a free lease: admits from its acquisition
+    assert told == [AdmissionWindow(None, start + DEADLINE_S, start)]
+    world.clock.advance(RENEW_S)
+    await world.a.renew()
+    assert told[-1] == AdmissionWindow(None, world.clock.monotonic() + DEADLINE_S, start)
+    world.store.down = True
+    await world.a.renew()  # failed within the deadline: the window stands, nothing told
+    assert len(told) == 2
+    world.clock.advance(DEADLINE_S)
+    await world.a.renew()
+    assert told[-1] == AdmissionWindow("fenced: lease lost", None, 0.0)
+    assert len(told) == 3
 
 
 async def test_a_live_lease_is_not_taken_without_preemption(world: World) -> None:

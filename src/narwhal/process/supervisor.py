@@ -240,7 +240,7 @@ class Supervisor:
     async def _heartbeats(self) -> None:
         """Keep the workers' gate valid, and current, until cancelled."""
         while True:
-            self._send_gate()
+            self.send_gate()
             await self._clock.sleep(self._window_s / 4)
 
     async def stop(self, grace_s: float) -> None:
@@ -549,7 +549,8 @@ class Supervisor:
             gate=self._gate().to_json(),
         )
 
-    def _send_gate(self) -> None:
+    def send_gate(self) -> None:
+        """The gate to every worker now (a heartbeat, or the lease's window changed)."""
         gate = self._gate().to_json()
         for w in self.workers:
             if w.channel is not None:

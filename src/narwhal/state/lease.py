@@ -125,6 +125,11 @@ class LeaseKeeper:
         self.last_seen: LeaseRecord | None = None
         self.fence_reason: str | None = None
         self.on_event: Callable[[str], None] | None = None  # the event timeline hears these
+        # Told whenever `admission_window` changes (acquired, renewed, fenced): data-plane
+        # workers judge by a copy of it, which must not wait for the next heartbeat (a
+        # renewal heard late let a worker's copy run past its renew deadline: a holder
+        # answering `fenced` for a moment while its lease was fine).
+        self.on_window: Callable[[], None] | None = None
         self._renew_started: float | None = None  # monotonic start of last good renewal
         self._admit_after: float = 0.0  # monotonic: preemption waits out the old lease
         self.store_error: str | None = None
@@ -201,6 +206,11 @@ class LeaseKeeper:
                 self.on_event(f"fenced: {reason}")
         self.role = Role.FENCED
         self.fence_reason = reason
+        self._window_changed()
+
+    def _window_changed(self) -> None:
+        if self.on_window is not None:
+            self.on_window()
 
     async def observe(self) -> LeaseRecord | None:
         try:
@@ -259,6 +269,7 @@ class LeaseKeeper:
         )
         if self.on_event is not None:
             self.on_event(f"acquired epoch {new.epoch} (previous {previous})")
+        self._window_changed()
         return True
 
     async def renew(self) -> None:
@@ -286,6 +297,7 @@ class LeaseKeeper:
         if ok:
             self._renew_started = started
             self.last_seen = LeaseRecord(self.router_id, self.epoch, expires_at)
+            self._window_changed()
             return
         record = await self.observe()
         holder = record.holder if record else None
