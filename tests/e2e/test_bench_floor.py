@@ -18,8 +18,8 @@ import pytest
 from bench.loadgen.client import Client
 from bench.loadgen.spec import RunSpec
 
-from tests.support.etcd import free_port
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 from tests.support.sim_process import SimFactory, SimProcess
 
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from tests.support.cli import narwhal
-from tests.support.etcd import free_port
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0

@@ -67,6 +67,9 @@ async def rr(sims: Sims, start_router: StartRouter) -> RunningRouter:
         [{"id": "p0", "url": sims.prefill.url, "role": "prefill"},
          {"id": "d0", "url": sims.decode.url, "role": "decode"}],
         recovery={"eject_after": 100},
+        # The subject is the legs: a health check a loaded host answers late (past the
+        # tests' 0.5 s) is a timeout rightly counted, and no business of these tests.
+        engine={"health_timeout_s": 3.0},
     )  # fmt: skip
 
 
@@ -74,10 +77,6 @@ async def _samples(http: aiohttp.ClientSession, rr: RunningRouter) -> list[Any]:
     async with http.get(rr.url + "/metrics") as resp:
         text = await resp.text()
     return [s for f in text_string_to_metric_families(text) for s in f.samples]
-
-
-def _total(samples: list[Any], name: str) -> float:
-    return sum(s.value for s in samples if s.name == name)
 
 
 async def _assert_nothing_recorded(http: aiohttp.ClientSession, rr: RunningRouter) -> None:
@@ -95,7 +94,8 @@ async def _assert_nothing_recorded(http: aiohttp.ClientSession, rr: RunningRoute
         assert all(v == 0 for v in engine["evidence"].values()), engine
         assert engine["ejected"] is False and engine["holds"] == []
     samples = await _samples(http, rr)
-    assert _total(samples, "narwhal_engine_failures_total") == 0
+    failures = [s for s in samples if s.name == "narwhal_engine_failures_total" and s.value]
+    assert failures == [], failures
     outcomes = {s.labels["outcome"] for s in samples if s.name == "narwhal_requests_total"}
     assert outcomes == {"client_disconnect"}
 

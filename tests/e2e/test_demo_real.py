@@ -14,9 +14,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.etcd import free_port
 from tests.support.llama import REPO, llama_binaries
 from tests.support.poll import eventually, until_ready
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.llama
 

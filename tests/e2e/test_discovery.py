@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from tests.support.dnsmasq import Dnsmasq, dnsmasq
-from tests.support.etcd import free_port
 from tests.support.http import metric, metric_sum
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory, SimProcess
 

@@ -40,8 +40,8 @@ from narwhal.fleet.holds import HoldName
 from narwhal.fleet.reducer import Policy
 from narwhal.fleet.store import Fleet
 from narwhal.state.handoff import build_document
-from tests.support.etcd import free_port
 from tests.support.fleet import verify_all
+from tests.support.ports import free_port
 from tests.support.router import router_config
 from tests.support.sim_process import SimFactory
 

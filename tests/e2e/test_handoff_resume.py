@@ -37,8 +37,8 @@ from narwhal.fleet.holds import HoldName
 from narwhal.fleet.store import Fleet
 from narwhal.state.atomic import Filesystem, host_tag
 from narwhal.state.handoff import build_document, load_schema
-from tests.support.etcd import unassigned_port
 from tests.support.poll import eventually
+from tests.support.ports import closed_ports
 from tests.support.router import RunningRouter, StartRouter, router_config
 from tests.support.sim_process import SimFactory, SimProcess
 
@@ -55,7 +55,7 @@ def dead_pid() -> int:
 
 
 def closed_port_url() -> str:
-    return f"http://127.0.0.1:{unassigned_port()}"  # no kernel-picked port lands there
+    return f"http://127.0.0.1:{closed_ports(1)[0]}"
 
 
 async def get(url: str) -> tuple[int, str]:

@@ -13,10 +13,8 @@ figure is in docs/handoff.md).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ from narwhal.server import Router
 from narwhal.state.atomic import Filesystem
 from narwhal.state.handoff import load_schema
 from tests.support.poll import eventually
+from tests.support.ports import closed_ports
 from tests.support.router import StartRouter, router_config
 from tests.support.sim_process import SimFactory
 
@@ -358,12 +357,8 @@ async def test_the_document_records_lease_ownership_and_only_the_active_writes(
 
 # --------------------------------------------------------------------------- cost
 def closed_port_urls(n: int) -> list[str]:
-    """Distinct loopback ports nobody listens on (all bound at once, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    """Distinct loopback ports nobody listens on."""
+    return [f"http://127.0.0.1:{port}" for port in closed_ports(n)]
 
 
 class NoSync(Filesystem):

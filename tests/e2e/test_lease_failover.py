@@ -29,10 +29,11 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.support.etcd import EtcdServer, free_port
+from tests.support.etcd import EtcdServer
 from tests.support.fs import remove_live_dir
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 from tests.support.router import router_config
 from tests.support.sim_process import SimFactory
 

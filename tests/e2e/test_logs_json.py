@@ -24,16 +24,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.etcd import unassigned_port
+from tests.support.ports import closed_ports
 
 LEVELS = {"debug", "info", "warning", "error", "critical"}
 TRANSITION = re.compile(
     r"^engine (?P<id>\S+): (?P<before>\S+) -> (?P<after>\S+) \((?P<reason>.+)\)$"
 )
-
-
-def closed_port() -> int:
-    return unassigned_port()  # no kernel-picked port lands there: it stays closed
 
 
 def serve_command() -> list[str]:
@@ -44,13 +40,14 @@ def serve_command() -> list[str]:
 
 
 def write_config(tmp_path: Path, **overrides: Any) -> Path:
+    p0, d0 = closed_ports(2)
     config = {
         "router_id": "json-logs",
         "listen": "127.0.0.1:0",
         "model": "demo-model",
         "engines": [
-            {"id": "p0", "url": f"http://127.0.0.1:{closed_port()}", "role": "prefill"},
-            {"id": "d0", "url": f"http://127.0.0.1:{closed_port()}", "role": "decode"},
+            {"id": "p0", "url": f"http://127.0.0.1:{p0}", "role": "prefill"},
+            {"id": "d0", "url": f"http://127.0.0.1:{d0}", "role": "decode"},
         ],
         "controller": {"monitor_interval_s": 0.1},
         "engine": {"health_timeout_s": 0.3},

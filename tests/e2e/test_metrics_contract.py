@@ -25,8 +25,8 @@ from narwhal.control.monitor import STAGE_ORDER
 from narwhal.engine.failures import FailureClass
 from narwhal.fleet.holds import HoldName
 from narwhal.fleet.intervals import Window
-from tests.support.etcd import unassigned_port
 from tests.support.poll import eventually
+from tests.support.ports import closed_ports
 from tests.support.router import RunningRouter, StartRouter
 from tests.support.sim_process import SimFactory
 
@@ -72,10 +72,6 @@ def test_the_documented_table_parses() -> None:
 
 
 # --------------------------------------------------------------------------- the scenario
-def closed_port() -> int:
-    return unassigned_port()  # no kernel-picked port lands there: it stays closed
-
-
 class FailOnce:
     """A `drains` stage that raises on its first pass, then delegates to the real one."""
 
@@ -131,7 +127,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     p0, p1, d0 = sim_factory.start_many([PREFILL, PREFILL, DECODE])
-    dead = f"http://127.0.0.1:{closed_port()}"
+    dead = f"http://127.0.0.1:{closed_ports(1)[0]}"
     drains = FailOnce()
     monkeypatch.setenv("TEST_CONTRACT_KEYS", "sk-contract")  # client keys on: counted per key
     discovered = tmp_path / "engines.yaml"
@@ -204,7 +200,7 @@ async def test_every_documented_metric_is_exported_with_its_labels(
     writer.close()
 
     # Membership: an engine added at runtime; a reload refused (not started from a file).
-    added = {"id": "p3", "url": f"http://127.0.0.1:{closed_port()}", "role": "prefill"}
+    added = {"id": "p3", "url": f"http://127.0.0.1:{closed_ports(1)[0]}", "role": "prefill"}
     async with http.post(rr.url + "/admin/engines", json=added) as resp:
         assert resp.status == 201, await resp.text()
     async with http.post(rr.url + "/admin/reload") as resp:

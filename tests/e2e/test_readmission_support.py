@@ -28,8 +28,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from tests.support.etcd import free_port
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 from tests.support.sim_process import SimProcess
 
 PREFILL = ("--role", "prefill", "--kv-role", "kv_producer")

@@ -34,9 +34,9 @@ import yaml
 from bench.suites import router_bound
 
 from narwhal.process.supervisor import CONTROL_WINDOW_MIN_S
-from tests.support.etcd import free_port
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 from tests.support.router import StartRouter, router_config
 from tests.support.sim_process import SimFactory, SimProcess
 from tests.support.sockets import accepted_connections

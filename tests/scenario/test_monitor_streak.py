@@ -10,7 +10,6 @@ recovery and restart. Then end to end over real loopback sockets: a `Router` who
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from narwhal.fleet.admission import Admission
 from narwhal.server import Router
 from narwhal.telemetry.metrics import Metrics
 from tests.support.fleet import verify_all
+from tests.support.ports import closed_ports
 from tests.support.served import serve_http
 
 LIMIT = 3
@@ -287,18 +287,6 @@ async def test_a_fresh_monitor_starts_at_streak_zero() -> None:
 
 
 # --------------------------------------------------------------------------- end to end
-def closed_ports(n: int) -> list[int]:
-    """Loopback ports nobody listens on (bound once to pick distinct ones, then closed)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class Telemetry:
     """A replacement `telemetry` stage that raises while `broken`."""
 

@@ -18,9 +18,9 @@ import pytest
 
 import narwhal
 from narwhal.sim.fleet import check_layout, fleet_specs
-from tests.support.etcd import unassigned_port
 from tests.support.http import metric_sum
 from tests.support.poll import eventually
+from tests.support.ports import free_port
 from tests.support.sim_process import READY_PREFIX, SimFactory, SimProcess
 
 from .helpers import complete, connect_refused, decode_body, post, prefill_body, text_of
@@ -94,7 +94,7 @@ def _free_base_port() -> int:
     """A port P with P, P+100 free, both outside the kernel's ephemeral range (a port the
     kernel picked could become another connection's local end before the fleet binds it: CI
     lost a run to that, the fleet exiting before its banner)."""
-    return unassigned_port(span=100)
+    return free_port(span=100)
 
 
 @pytest.mark.slow

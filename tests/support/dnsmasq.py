@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.support.etcd import free_port
+from tests.support.ports import free_port
 
 DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -30,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.ports import free_port
+
 ETCD_BINARY = os.environ.get("NARWHAL_TEST_ETCD", "/usr/bin/etcd")
 _START_TIMEOUT_S = 20.0
 # Ahead of the CPU-bound test processes it shares two cores with (llama.cpp servers, a CI
@@ -38,46 +38,6 @@ _START_TIMEOUT_S = 20.0
 # itself and a compaction timed out. Without the privilege (not root) `nice` says so on the
 # log and runs etcd at the usual priority.
 _PRIORITY = ("nice", "-n", "-10") if shutil.which("nice") else ()
-
-
-def free_port() -> int:
-    """A TCP port for a server a test starts: `unassigned_port`. (It was one the kernel
-    picked, from its ephemeral range: between the pick and the server's bind, any outgoing
-    connection on the host, the other pytest process's included, could take it as its local
-    end, and the server then failed to start.)"""
-    return unassigned_port()
-
-
-def unassigned_port(span: int = 0) -> int:
-    """A TCP port free now and outside the kernel's ephemeral range, for a server that binds
-    it after it is picked (vLLM binds its NIXL side channel a minute into its start): an
-    ephemeral port can meanwhile become the local end of any outgoing connection on the host
-    (CI once lost a vLLM start to that: "Address already in use"; another run a simulated
-    fleet's); this one only to a process that binds it by number. With `span`, the port
-    `span` above it is free and outside the range too."""
-    low, high = _ephemeral_range()
-    spans = [(p, q - span) for p, q in ((10_000, low), (high + 1, 65_536)) if q - span - p > 1000]
-    rng = random.Random()
-    for _ in range(200):
-        start, end = rng.choice(spans)
-        port = rng.randrange(start, end)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, socket.socket() as t:
-            try:
-                s.bind(("0.0.0.0", port))
-                if span:
-                    t.bind(("0.0.0.0", port + span))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port outside the ephemeral range")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
 
 
 def _b64(text: str) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd import free_port
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_ALIAS = "demo-model"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd import unassigned_port
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_ALIAS = "demo-model"
@@ -77,10 +77,10 @@ class VllmServer:
         self.start_timeout_s = start_timeout_s
         self.extra_args = extra_args
         # Bound a minute into vLLM's start: ports no outgoing connection can take meanwhile.
-        self.port = unassigned_port()
-        self.events_port = unassigned_port()
-        self.replay_port = unassigned_port()
-        self.side_channel_port = unassigned_port()
+        self.port = free_port()
+        self.events_port = free_port()
+        self.replay_port = free_port()
+        self.side_channel_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events_url = f"tcp://127.0.0.1:{self.events_port}"
         self.replay_url = f"tcp://127.0.0.1:{self.replay_port}"
