@@ -28,10 +28,8 @@ def tokenizer() -> Path:
     return wheel_tokenizer("qwen3")
 
 
-@pytest.fixture
-def sims(tokenizer: Path) -> Iterator[list[SimProcess]]:
-    """p0, p1 (prefill) and d0 (decode), each with a prefix cache and KV events."""
-    common = ("--kv-blocks", "2048", "--block-size", "16", "--tokenizer", str(tokenizer))
+def _sims(tokenizer: Path, *extra: str) -> Iterator[list[SimProcess]]:
+    common = ("--kv-blocks", "2048", "--block-size", "16", "--tokenizer", str(tokenizer), *extra)
     events = ("--kv-events-port", "0", "--kv-events-replay-port", "0")
     procs = [
         SimProcess("--role", "prefill", "--kv-role", "kv_producer", *common, *events),
@@ -45,6 +43,21 @@ def sims(tokenizer: Path) -> Iterator[list[SimProcess]]:
     finally:
         for p in procs:
             p.close()
+
+
+@pytest.fixture
+def sims(tokenizer: Path) -> Iterator[list[SimProcess]]:
+    """p0, p1 (prefill) and d0 (decode), each with a prefix cache and KV events."""
+    yield from _sims(tokenizer)
+
+
+ADAPTER = "sea-lora"
+
+
+@pytest.fixture
+def lora_sims(tokenizer: Path) -> Iterator[list[SimProcess]]:
+    """`sims`, each also serving the LoRA adapter `ADAPTER` (vLLM's `--lora-modules`)."""
+    yield from _sims(tokenizer, "--lora", ADAPTER)
 
 
 def _engines(sims: list[SimProcess], ids: tuple[str, ...] = ("p0", "p1", "d0")) -> list[dict]:
@@ -63,9 +76,9 @@ def _engines(sims: list[SimProcess], ids: tuple[str, ...] = ("p0", "p1", "d0")) 
     return engines
 
 
-async def _complete(rr: RunningRouter, prompt: str) -> Any:
+async def _complete(rr: RunningRouter, prompt: str, model: str = MODEL) -> Any:
     async with openai.AsyncOpenAI(base_url=rr.url + "/v1", api_key="k", max_retries=0) as client:
-        return await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        return await client.completions.create(model=model, prompt=prompt, max_tokens=4)
 
 
 async def _index_blocks(rr: RunningRouter, engine: str) -> float:
@@ -120,6 +133,55 @@ async def test_a_prefix_stored_on_an_engine_draws_its_requests_there_by_its_even
     assert p1_hit == hit
     assert shown["engines"]["p1"] == shown["models"][MODEL]
     assert "p0" not in shown["engines"]
+
+
+@pytest.mark.single_process  # the router's own index is the one it places with
+async def test_a_lora_adapters_prefix_is_found_under_its_own_name(
+    start_router: StartRouter, lora_sims: list[SimProcess], tokenizer: Path
+) -> None:
+    """vLLM keys an adapter's blocks by the adapter's name (`BlockStored.lora_name`). Router
+    `b` learns from p1's events where the adapter's prefix is and sends the adapter's next
+    request there, keyed with the adapter's name on the base model's index and tokenizer
+    (no `placement.tokenizers` entry of its own); the same text for the base model matches
+    nothing: the adapter's cache is not the model's."""
+    sims = lora_sims
+    placement = {"policy": "prefix", "tokenizers": {MODEL: str(tokenizer)}}
+    b = await start_router(_engines(sims), placement=placement)
+    a = await start_router(_engines(sims, ("p1", "d0")), placement=placement)
+    first = await _complete(a, PREFIX + "How deep is the sea?", model=ADAPTER)
+    assert first.model == ADAPTER and first.usage.prompt_tokens > 100
+
+    async def learned() -> bool:
+        return await _index_blocks(b, "p1") >= first.usage.prompt_tokens // 16 - 1
+
+    await eventually(learned, timeout_s=10, what="router b learned p1's blocks from its events")
+
+    async def explain(model: str) -> dict[str, Any]:
+        body = {"model": model, "prompt": PREFIX + "Why is it salty?", "max_tokens": 4}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(b.url + "/admin/placement", json=body) as r,
+        ):
+            assert r.status == 200, await r.text()
+            view: dict[str, Any] = await r.json()
+            return view
+
+    async def adapter_matched() -> dict[str, Any] | None:
+        # The fleet's adapters reach placement at its next sync (every metrics interval).
+        view = await explain(ADAPTER)
+        return view if view["prefill"][0]["matched_tokens"] > 0 else None
+
+    adapter_view = await eventually(adapter_matched, timeout_s=10, what="the adapter matched")
+    assert adapter_view["prefill"][0]["id"] == "p1"
+    assert adapter_view["prefill"][0]["matched_tokens"] >= 100
+    base_view = await explain(MODEL)
+    assert all(e["matched_tokens"] == 0 for e in base_view["prefill"]), base_view
+
+    await _complete(b, PREFIX + "What lives at the bottom?", model=ADAPTER)
+    assert len(sims[1].requests()) == 2, "placed on the engine holding the adapter's prefix"
+    assert sims[0].requests() == []
+    hits = metric_sum(sims[1].metrics(), "vllm:prefix_cache_hits_total")
+    assert hits >= 100, f"p1 computed the adapter's prefix from its cache ({hits} tokens)"
 
 
 async def test_without_prefix_placement_the_same_prompts_rotate(

@@ -6,6 +6,7 @@ the test sets), driven pass by pass with `Monitor.run_pass(now)`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,15 +21,18 @@ from narwhal.clock import FakeClock
 from narwhal.config import Role, parse_config
 from narwhal.control.health import Answer, HealthResult, verification
 from narwhal.server import Router
+from narwhal.state.handoff import apply_document
 from tests.support.router import router_config
 
 
 @dataclass
 class FakeEngine:
-    """`/health` answers `status` (or hangs); `/v1/models` lists `model`."""
+    """`/health` answers `status` (or hangs); `/v1/models` lists `model`, and `adapters`
+    as vLLM lists LoRA adapters (with the model as their `parent`)."""
 
     status: int = 200
     model: str = "demo-model"
+    adapters: tuple[str, ...] = ()
     hang: bool = False
     health_calls: int = 0
     server: TestServer | None = None
@@ -41,7 +45,9 @@ class FakeEngine:
             return web.Response(status=self.status)
 
         async def models(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": self.model}]})
+            cards = [{"id": self.model, "parent": None}]
+            cards += [{"id": a, "parent": self.model} for a in self.adapters]
+            return web.json_response({"object": "list", "data": cards})
 
         app = web.Application()
         app.router.add_get("/health", health)
@@ -151,6 +157,44 @@ async def test_a_wrong_model_stays_unverified_with_one_warning(
     assert w.router.ready() == "starting: no verified decode engine"
     warnings = [r.getMessage() for r in caplog.records if "stays unverified" in r.getMessage()]
     assert warnings == ["engine d0 stays unverified: serves ['other-model'], not 'demo-model'"]
+
+
+async def test_lora_adapters_are_known_from_models_and_kept_through_a_handoff(
+    tmp_path: Path, cleanup: list[World]
+) -> None:
+    """An adapter (a model card with a `parent`) is served, and known as an adapter (its
+    blocks are keyed by its name, DESIGN §11); the handoff carries both lists, so an heir
+    serves the adapter from its first request. A document without them (an older router's)
+    leaves the lists to the heir's first health check."""
+    w = await world(tmp_path, PD, p0=FakeEngine(adapters=("sea-lora",)))
+    cleanup.append(w)
+    await w.run_pass()
+    p0 = w.router.fleet.get("p0")
+    assert p0.verified
+    assert (p0.served, p0.adapters) == ({"demo-model", "sea-lora"}, {"sea-lora"})
+    assert w.router.fleet.get("d0").adapters == frozenset()
+    doc = json.loads(await asyncio.to_thread(Path(w.router.config.handoff.path).read_bytes))
+    assert doc["engines"]["p0"]["adapters"] == ["sea-lora"]
+
+    heir = Router(w.router.config, clock=FakeClock())
+    apply_document(doc, heir.fleet, heir.clock)
+    restored = heir.fleet.get("p0")
+    assert (restored.served, restored.adapters) == (p0.served, p0.adapters)
+    assert heir.fleet.knows_model("sea-lora")
+
+    for saved in doc["engines"].values():
+        del saved["served"], saved["adapters"]
+    old = Router(w.router.config, clock=FakeClock())
+    apply_document(doc, old.fleet, old.clock)
+    assert old.fleet.get("p0").verified and old.fleet.get("p0").adapters == frozenset()
+    await old.client.start()
+    try:
+        assert isinstance(old.clock, FakeClock)
+        old.clock.advance(1.0)
+        await old.monitor.run_pass(old.clock.monotonic())
+    finally:
+        await old.client.close()
+    assert old.fleet.get("p0").adapters == {"sea-lora"}
 
 
 async def test_a_verified_engine_that_fails_later_is_lost_capacity_not_starting(

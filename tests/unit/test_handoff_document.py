@@ -186,7 +186,8 @@ def test_each_engine_carries_role_ejection_holds_verification_and_generation(
     e = saved["engines"]
     assert e["p0"] == {"role": "prefill", "ejection": None, "holds": [],
                        "inference_verification": None, "generation": 1_799_990_000.25,
-                       "verified": True, "max_model_len": None}  # fmt: skip
+                       "verified": True, "max_model_len": None, "served": [],
+                       "adapters": []}  # fmt: skip
     assert e["p1"]["holds"] == [
         {"name": "operator_drain", "reason": "operator request", "since": t0, "deadline": None}
     ]
@@ -210,7 +211,8 @@ def test_each_engine_carries_role_ejection_holds_verification_and_generation(
     assert e["d2"]["holds"] == []
     assert e["d3"] == {"role": "decode", "ejection": None, "holds": [],
                        "inference_verification": None, "generation": None,
-                       "verified": True, "max_model_len": None}  # fmt: skip
+                       "verified": True, "max_model_len": None, "served": [],
+                       "adapters": []}  # fmt: skip
     assert e["d2"]["verified"] is False
 
 

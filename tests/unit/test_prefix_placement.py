@@ -16,6 +16,7 @@ from narwhal.fleet.events import Readmitted
 from narwhal.fleet.holds import Hold, HoldName
 from narwhal.fleet.state import Candidate, Ejection, EngineState
 from narwhal.fleet.store import Fleet
+from narwhal.placement.keys import prompt_keys
 from narwhal.placement.load import EngineLoad
 
 CONFIG = parse_config(
@@ -292,3 +293,29 @@ def test_token_ids_no_engine_has_are_placed_by_load_not_refused_here() -> None:
     for ids in (b"[-1, 5]", b"[%d]" % (1 << 40)):
         body = b'{"model": "m", "prompt": %s, "max_tokens": 1}' % ids
         assert prefix.prompt_now(parse_request("completions", body, "m"), "m") is None
+
+
+def test_a_lora_adapter_is_keyed_under_its_name_on_its_engines_model() -> None:
+    """vLLM keys an adapter's blocks by its name: a request for the adapter is matched in
+    its engines' model's index with keys rooted at the adapter's name, so the base model's
+    same prompt matches none of the adapter's placements (and the other way round)."""
+    clock = FakeClock()
+    prefix = PrefixPlacement(CONFIG, clock)
+    fleet = {k: replace(e, adapters=frozenset({"m-sql"})) for k, e in states().items()}
+    prefix.sync(fleet.values(), clock.monotonic())
+    ids = list(range(1, 65))
+    body = b'{"model": "m-sql", "prompt": %s, "max_tokens": 1}' % str(ids).encode()
+    adapter = prefix.prompt_now(parse_request("completions", body, "m-sql"), "m-sql")
+    assert adapter is not None
+    assert adapter.model == "m"
+    assert adapter.keys == tuple(prompt_keys(ids, 16, lora_name="m-sql"))
+    base_body = body.replace(b'"m-sql"', b'"m"')
+    base = prefix.prompt_now(parse_request("completions", base_body, "m"), "m")
+    assert base is not None and base.keys == tuple(prompt_keys(ids, 16))
+    prefix.placed(adapter, "p1", 0)
+    assert prefix.match(adapter)["p1"].matched_tokens == 64
+    assert "p1" not in prefix.match(base)
+    # An engine that no longer lists the adapter: the name is a model of its own (no index).
+    prefix.sync(states().values(), clock.monotonic())
+    alone = prefix.prompt_now(parse_request("completions", body, "m-sql"), "m-sql")
+    assert alone is not None and alone.model == "m-sql" and alone.keys == ()

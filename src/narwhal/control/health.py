@@ -19,6 +19,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import NamedTuple
 
 import orjson
 
@@ -44,6 +45,13 @@ class Answer(StrEnum):
     BUSY = "busy"  # no control connection came free: the engine was not asked
 
 
+class Served(NamedTuple):
+    """What `/v1/models` lists: every model id, and which of them are LoRA adapters."""
+
+    models: tuple[str, ...]
+    adapters: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class HealthResult:
     """`failure` is the evidence to record (or why a BUSY engine was not asked); an ERROR
@@ -53,6 +61,7 @@ class HealthResult:
     failure: EngineFailure | None = None
     status: int | None = None
     models: tuple[str, ...] | None = None  # served models, when `/v1/models` was read
+    adapters: tuple[str, ...] = ()  # those of them that are LoRA adapters (a `parent`)
     models_problem: str | None = None  # why `/v1/models` was not read, when it was tried
 
     @property
@@ -168,11 +177,16 @@ class HealthStages:
         """Apply one answer to an unverified engine; a wrong model is also a warning."""
         engine = self._fleet.get(engine_id)
         if engine.verified:
+            # Read again while not known (restored from a handoff, or followed as a standby:
+            # verified with no list): requests for its LoRA adapters are placed by it.
+            if result.models is not None:
+                adapters = result.adapters
+                self._lifecycle.verify(engine, True, "restored", now, result.models, adapters)
             return
         ok, reason = verification(result, engine.model or self._cfg.model)
         if not ok and result.models is not None and reason != engine.unverified_reason:
             log.warning("engine %s stays unverified: %s", engine.id, reason)
-        self._lifecycle.verify(engine, ok, reason, now, tuple(result.models or ()))
+        self._lifecycle.verify(engine, ok, reason, now, result.models or (), result.adapters)
 
     async def startup_sweep(self, now: float) -> None:
         """At start, before the first pass: check every unverified engine once, concurrently,
@@ -212,26 +226,27 @@ class HealthStages:
     ) -> HealthResult:
         result = await check_health(self._client, self._adapters, engine, timeout_s)
         if result.answer is Answer.OK:
-            models: tuple[str, ...] | None = None
+            served: Served | None = None
             problem: str | None = None
             try:
                 async with asyncio.timeout_at(deadline):
-                    models, problem = await self._learn(engine, now)
+                    served, problem = await self._learn(engine, now)
             except TimeoutError:
                 log.debug("engine %s: learning cut off at the health timeout", engine.id)
-            if models is not None or problem is not None:
-                result = replace(result, models=models, models_problem=problem)
+            if served is not None:
+                result = replace(result, models=served.models, adapters=served.adapters)
+            elif problem is not None:
+                result = replace(result, models_problem=problem)
         return result
 
-    async def _learn(
-        self, engine: EngineState, now: float
-    ) -> tuple[tuple[str, ...] | None, str | None]:
+    async def _learn(self, engine: EngineState, now: float) -> tuple[Served | None, str | None]:
         """What a healthy engine's identity and limits are, read once (the adapter's own
         `learn` is cheap when it knows already); `/v1/models` is read on every answer until
         the engine is verified. Returns the served models read (or why they were not)."""
-        models: tuple[str, ...] | None = None
+        models: Served | None = None
         problem: str | None = None
-        if engine.max_model_len is None or not engine.verified:
+        # A verified engine with no list was restored from a document that had none.
+        if engine.max_model_len is None or not engine.verified or not engine.served:
             models, problem = await self._read_models(engine, now)
         if engine.generation is None:
             generation, _ = await self._adapters(engine.config).generation(engine.config)
@@ -242,9 +257,11 @@ class HealthStages:
 
     async def _read_models(
         self, engine: EngineState, now: float
-    ) -> tuple[tuple[str, ...] | None, str | None]:
+    ) -> tuple[Served | None, str | None]:
         """The served model ids from `/v1/models` (or why they could not be read), learning
-        `max_model_len` for prompt-length checks on the way."""
+        `max_model_len` for prompt-length checks on the way. vLLM lists a LoRA adapter
+        under its own name with its base model as `parent` (its KV blocks are keyed by the
+        adapter's name: placement needs to know)."""
         try:
             reply = await control_get(
                 self._client, engine.config, "/v1/models", self._cfg.engine.health_timeout_s
@@ -262,7 +279,8 @@ class HealthStages:
         limit = next((m.get("max_model_len") for m in cards if m["id"] == model), None)
         if engine.max_model_len is None and isinstance(limit, int) and limit > 0:
             self._fleet.apply(ModelLimitLearned(engine.id, limit), now)
-        return tuple(m["id"] for m in cards), None
+        adapters = tuple(m["id"] for m in cards if isinstance(m.get("parent"), str))
+        return Served(tuple(m["id"] for m in cards), adapters), None
 
     async def liveness(self, now: float) -> None:
         """Count consecutive silent sweeps; any answer (even a 503) ends the run of silence."""

@@ -31,11 +31,12 @@ class Lifecycle:
         reason: str,
         now: float,
         models: tuple[str, ...] = (),
+        adapters: tuple[str, ...] = (),
     ) -> None:
         """The outcome of one look at an unverified engine (DESIGN §10): `verified` makes it
-        eligible, for its model and the `models` it reported (LoRA adapters); otherwise a new
-        reason why not is recorded (logged once per change)."""
-        self._fleet.apply(VerificationSeen(engine.id, verified, reason, models), now)
+        eligible, for its model and the `models` it reported (`adapters`: those that are LoRA
+        adapters); otherwise a new reason why not is recorded (logged once per change)."""
+        self._fleet.apply(VerificationSeen(engine.id, verified, reason, models, adapters), now)
 
     def eject(self, engine: EngineState, cause: str, reason: str, now: float) -> None:
         """Take an engine out of placement (a confirmed failure: no last-engine protection)."""

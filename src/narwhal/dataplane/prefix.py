@@ -45,7 +45,7 @@ _OUT_HOLDS = frozenset({HoldName.OPERATOR_DRAIN, HoldName.PLANNED_MAINTENANCE})
 class Prompt:
     """A request's prompt as placement sees it."""
 
-    model: str
+    model: str  # the index it is matched in: a LoRA adapter's is its engines' model
     keys: tuple[BlockKey, ...]
     tokens: int  # the prompt's length in (pseudo) tokens
 
@@ -118,6 +118,9 @@ class PrefixPlacement:
         # (model, engine, the prompt's last key: its whole chain) -> when it was last told.
         self._told: dict[tuple[str, str, BlockKey], float] = {}
         self._retell_s = self.index.config.speculative_ttl_s * RETELL_SHARE
+        # A LoRA adapter's name -> its engines' model: its blocks live in that model's index,
+        # keyed from the adapter's root (vLLM keys them by the adapter's name).
+        self._adapter_of: dict[str, str] = {}
 
     # ------------------------------------------------------------ membership and hygiene
     def sync(self, engines: Iterable[EngineState], now: float) -> None:
@@ -126,11 +129,14 @@ class PrefixPlacement:
             return
         emptied: set[str] = set()  # the others empty it too: what was told is to tell again
         present = set()
+        adapter_of: dict[str, str] = {}
         for engine in engines:
             if engine.role is Role.EMBED:
                 continue
             present.add(engine.id)
             config = engine.config
+            for adapter in engine.adapters:
+                adapter_of[adapter] = config.model or ""
             endpoint = events_of(config, self._placement_config)
             if self._tokenizer is None or self._tokenizer.model(config.model or "") is None:
                 # The engine's events carry its token ids; without the model's tokenizer the
@@ -178,6 +184,7 @@ class PrefixPlacement:
             for told, at in self._told.items()
             if now - at < self._retell_s and told[1] not in emptied
         }
+        self._adapter_of = adapter_of
 
     def set_loads(self, loads: Mapping[str, EngineLoad]) -> None:
         """The engines' scraped loads; a reported cache size bounds the engine's approximate
@@ -229,34 +236,49 @@ class PrefixPlacement:
         if self._tokenizer is None:
             return None
         body: dict[str, Any] = req.body
+        indexed, lora, tokenizer = self._names(model)
         if req.endpoint == "chat":
-            tokens = await self._tokenizer.chat_async(model, body)
+            tokens = await self._tokenizer.chat_async(tokenizer, body)
         else:
             text = _completion_prompt(body)
             if text is None:
                 return None
-            tokens = await self._tokenizer.completion_async(model, text)
-        return self._keyed(model, tokens.ids, body)
+            tokens = await self._tokenizer.completion_async(tokenizer, text)
+        return self._keyed(indexed, lora, tokens.ids, body)
 
     def prompt_now(self, req: ClientRequest, model: str) -> Prompt | None:
         """`prompt`, all on the event loop (`/admin/placement`'s explanation)."""
         if self._tokenizer is None:
             return None
         body: dict[str, Any] = req.body
+        indexed, lora, tokenizer = self._names(model)
         if req.endpoint == "chat":
-            tokens = self._tokenizer.chat(model, body)
+            tokens = self._tokenizer.chat(tokenizer, body)
         else:
             text = _completion_prompt(body)
             if text is None:
                 return None
-            tokens = self._tokenizer.completion(model, text)
-        return self._keyed(model, tokens.ids, body)
+            tokens = self._tokenizer.completion(tokenizer, text)
+        return self._keyed(indexed, lora, tokens.ids, body)
 
-    def _keyed(self, model: str, ids: Sequence[int], body: dict[str, Any]) -> Prompt | None:
+    def _names(self, model: str) -> tuple[str, str | None, str]:
+        """The requested model's index, LoRA name and tokenizer: a LoRA adapter is indexed
+        with its engines' model under its own name, tokenized by its own
+        `placement.tokenizers` entry, else its model's (an adapter keeps its base's
+        vocabulary); any other model is itself, without a LoRA name."""
+        base = self._adapter_of.get(model)
+        if base is None:
+            return model, None, model
+        assert self._tokenizer is not None
+        return base, model, model if self._tokenizer.model(model) is not None else base
+
+    def _keyed(
+        self, model: str, lora: str | None, ids: Sequence[int], body: dict[str, Any]
+    ) -> Prompt | None:
         """The prompt's keys; None (placed by load) for token ids no engine has (negative, or
         past 32 bits): the engine answers those with its own 400."""
         try:
-            keys = tuple(self.index.keys(model, ids, cache_salt=_salt(body)))
+            keys = tuple(self.index.keys(model, ids, lora_name=lora, cache_salt=_salt(body)))
         except InvalidTokens:
             return None
         return Prompt(model, keys, len(ids))

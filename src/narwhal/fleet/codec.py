@@ -35,6 +35,7 @@ def encode(state: EngineState) -> dict[str, Any]:
         "leaving": state.leaving,
         "origin": state.origin,
         "served": sorted(state.served),
+        "adapters": sorted(state.adapters),
     }
 
 
@@ -56,4 +57,5 @@ def decode(data: dict[str, Any], config: EngineConfig) -> EngineState:
         leaving=data["leaving"],
         origin=data["origin"],
         served=frozenset(data["served"]),
+        adapters=frozenset(data["adapters"]),
     )

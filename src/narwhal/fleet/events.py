@@ -59,6 +59,7 @@ class VerificationSeen:
     ok: bool
     reason: str
     models: tuple[str, ...] = ()  # what the engine reported serving, when known
+    adapters: tuple[str, ...] = ()  # those of `models` that are LoRA adapters
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,8 @@ class Restored:
     ejected: Ejection | None
     holds: Mapping[HoldName, Hold]
     verified: bool
+    served: frozenset[str] | None = None  # None: not in the document (an older router)
+    adapters: frozenset[str] | None = None
 
 
 Event = (

@@ -115,13 +115,20 @@ def reduce(engine: EngineState, event: Event, ctx: Context) -> Step:
             return _release(cleared, HoldName.FAILURE_QUARANTINE, "health 200")
         case LivenessSwept(silent=silent):
             return _liveness(engine, silent, ctx)
-        case VerificationSeen(ok=ok, reason=reason, models=models):
+        case VerificationSeen(ok=ok, reason=reason, models=models, adapters=adapters):
             served = frozenset(models) if ok and models else engine.served
+            lora = frozenset(adapters) if ok and models else engine.adapters
             if engine.verified or (not ok and engine.unverified_reason == reason):
-                return Step(engine if served == engine.served else replace(engine, served=served))
+                if served == engine.served and lora == engine.adapters:
+                    return Step(engine)
+                return Step(replace(engine, served=served, adapters=lora))
             label = "verified" if ok else "not verified"
             new = replace(
-                engine, verified=ok, unverified_reason=None if ok else reason, served=served
+                engine,
+                verified=ok,
+                unverified_reason=None if ok else reason,
+                served=served,
+                adapters=lora,
             )
             return Step(new, f"{label}: {reason}")
         case EjectRequested(cause=cause, reason=reason):
@@ -326,6 +333,8 @@ def _restored(engine: EngineState, event: Restored) -> Step:
         holds=dict(event.holds),
         verified=verified,
         unverified_reason=reason,
+        served=engine.served if event.served is None else event.served,
+        adapters=engine.adapters if event.adapters is None else event.adapters,
     )
     same = (
         engine.verified == verified

@@ -69,6 +69,9 @@ class EngineState:
     # Every model the engine reported when it was verified: its own and, on vLLM, the LoRA
     # adapters it serves under their own names (requests for them come here too).
     served: frozenset[str] = frozenset()
+    # Those of `served` that are LoRA adapters (`/v1/models` names a `parent`): their KV
+    # blocks are keyed by the adapter's name on the engine's model (cache-aware placement).
+    adapters: frozenset[str] = frozenset()
 
     @property
     def id(self) -> str:

@@ -82,6 +82,8 @@ def engine_document(engine: EngineState) -> dict[str, Any]:
         "generation": engine.generation,
         "verified": engine.verified,
         "max_model_len": engine.max_model_len,
+        "served": sorted(engine.served),
+        "adapters": sorted(engine.adapters),
     }
 
 
@@ -361,9 +363,16 @@ def apply_document(doc: dict[str, Any], fleet: Fleet, clock: Clock) -> None:
             ejected,
             holds,
             bool(saved.get("verified", True)),  # absent: an older router served from it
+            # Absent (an older router): read again from the engine at the next health check.
+            _names(saved.get("served")),
+            _names(saved.get("adapters")),
         )
         fleet.apply(restored, now_mono)
     fleet.counters.restore(doc["counters"])
+
+
+def _names(saved: list[str] | None) -> frozenset[str] | None:
+    return None if saved is None else frozenset(saved)
 
 
 def newest(*docs: dict[str, Any] | None) -> dict[str, Any] | None:
