@@ -373,6 +373,7 @@ async def test_an_unanswered_replay_gives_the_gap_up() -> None:
             await eventually(lambda: h.counters().gaps == 2, what="the second gap")
             await h.matched_becomes(4)
             assert h.counters().replays == 1
+            assert h.counters().gaps_seen == 2, "the first gap counted once, not again given up"
     finally:
         hole.close(linger=0)
         silent.term()

@@ -184,6 +184,37 @@ async def test_a_lora_adapters_prefix_is_found_under_its_own_name(
     assert hits >= 100, f"p1 computed the adapter's prefix from its cache ({hits} tokens)"
 
 
+async def test_a_dropped_event_message_is_a_gap_the_replay_fills(
+    start_router: StartRouter, sims: list[SimProcess], tokenizer: Path
+) -> None:
+    """p1 loses one live message (its number spent, kept in its replay buffer): the router
+    counts the gap and the replay, and holds the lost message's blocks all the same."""
+    placement = {"policy": "prefix", "tokenizers": {MODEL: str(tokenizer)}}
+    rr = await start_router(_engines(sims, ("p1", "d0")), placement=placement)
+    answers = [await _complete(rr, "A first prompt, published whole. " * 4)]
+    sims[1].add_fault({"kind": "kv_events_drop", "count": 1})
+    answers.append(await _complete(rr, PREFIX + "How deep is the sea?"))  # never sent live
+    answers.append(await _complete(rr, "A third prompt, whose message shows the gap. " * 4))
+
+    async def counted() -> bool:
+        async with aiohttp.ClientSession() as http:
+            gaps = await metric(http, rr.url, "narwhal_kv_event_gaps_total", engine="p1")
+            replays = await metric(http, rr.url, "narwhal_kv_event_replays_total", engine="p1")
+        return gaps == 1 and replays >= 1
+
+    await eventually(counted, timeout_s=10, what="the gap and its replay counted")
+    assert sims[1].get_json("/sim/kv_events")["dropped"] == 1
+    # Every prompt's full blocks applied from events, the lost message's by the replay.
+    blocks = sum(a.usage.prompt_tokens // 16 for a in answers)
+
+    async def applied() -> bool:
+        async with aiohttp.ClientSession() as http:
+            got = await metric(http, rr.url, "narwhal_kv_event_blocks_total", engine="p1")
+        return got >= blocks
+
+    await eventually(applied, timeout_s=10, what="the lost message's blocks, replayed")
+
+
 async def test_without_prefix_placement_the_same_prompts_rotate(
     start_router: StartRouter, sims: list[SimProcess], tokenizer: Path
 ) -> None:

@@ -66,6 +66,7 @@ def test_a_gap_without_replay_forgets_the_engine_and_later_children_cannot_be_ke
     counters = placement.counters("a")
     assert counters is not None
     assert (counters.gaps, counters.missed_batches, counters.unkeyable_blocks) == (1, 4, 1)
+    assert counters.gaps_seen == 1
 
 
 def test_a_gap_with_replay_asks_for_it_and_applies_nothing_yet() -> None:
@@ -78,6 +79,7 @@ def test_a_gap_with_replay_asks_for_it_and_applies_nothing_yet() -> None:
     assert _matched(placement) == {"a": 12}
     counters = placement.counters("a")
     assert counters is not None and counters.replays == 1 and counters.gaps == 0
+    assert counters.gaps_seen == 1, "a replayed gap is a gap all the same"
 
 
 def test_an_undecodable_batch_forgets_the_engine_and_keeps_the_sequence() -> None:

@@ -422,7 +422,12 @@ class PlacementCollector:
         )
         gaps = CounterMetricFamily(
             "narwhal_kv_event_gaps",
-            "Sequence gaps in each engine's KV-event stream (replayed or dropped)",
+            "Sequence gaps in each engine's live KV-event stream (replayed or dropped)",
+            labels=["engine"],
+        )
+        replays = CounterMetricFamily(
+            "narwhal_kv_event_replays",
+            "Replays asked of each engine's replay endpoint (a gap, or a late subscription)",
             labels=["engine"],
         )
         ingested = CounterMetricFamily(
@@ -436,11 +441,13 @@ class PlacementCollector:
                 continue
             blocks.add_metric([engine], index.index_blocks(engine))
             events.add_metric([engine], counters.events)
-            gaps.add_metric([engine], counters.gaps)
+            gaps.add_metric([engine], counters.gaps_seen)
+            replays.add_metric([engine], counters.replays)
             ingested.add_metric([engine], counters.stored_blocks + counters.removed_blocks)
         yield blocks
         yield events
         yield gaps
+        yield replays
         yield ingested
         yield GaugeMetricFamily(
             "narwhal_prefix_index_bytes",

@@ -43,7 +43,8 @@ class EngineCounters:
     events: int = 0
     stored_blocks: int = 0
     removed_blocks: int = 0
-    gaps: int = 0
+    gaps_seen: int = 0  # gaps in the live stream, replayed or given up
+    gaps: int = 0  # gaps given up (the engine's entries dropped)
     missed_batches: int = 0
     replays: int = 0
     replay_failures: int = 0
@@ -164,6 +165,8 @@ class Placement:
             index.clear_exact(engine)
         if decision.verdict is stream.Verdict.DUPLICATE:
             counters.duplicates += 1
+        elif decision.verdict is stream.Verdict.GAP and not replayed:
+            counters.gaps_seen += 1  # a gap inside a replay is the same gap, given up
         if decision.replay_from is not None:
             counters.replays += 1
         if decision.missed is not None:
