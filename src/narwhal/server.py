@@ -648,7 +648,9 @@ class Router:
         try:
             socket_path = str(runtime / "control.sock")
             await web.UnixSite(runner, socket_path).start()
-            forward = ControlForward(socket_path, self.config.admin.resolve_token())
+            forward = ControlForward(
+                socket_path, self.config.admin.resolve_token(), self.config.serving.max_body_bytes
+            )
             server = self.build_server(forward)
             await server.start(host, port, self._tls, reuse_port=False)
             yield server.port

@@ -22,16 +22,21 @@ GIB = 1 << 30
 
 CREDENTIALS = {
     "/v1/completions": "Authorization: Bearer sk-hostile\r\n",
+    "/tokenize": "Authorization: Bearer sk-hostile\r\n",
     "/admin/x": f"Authorization: Bearer {TOKEN}\r\n",
     "/no/such/path": "",
 }
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "no-key"])
 @pytest.mark.parametrize("path", list(CREDENTIALS))
-async def test_a_chunked_gigabyte_is_refused_on_every_path(hostile: Hostile, path: str) -> None:
-    """Refused: a chunked body of up to 1 GiB (its key right, so only the size can refuse
-    it) gets 413 once it passes `max_body_bytes`, and the router closes after taking at
-    most a few MiB more; nothing of it is kept (the guard checks RSS)."""
+async def test_a_chunked_gigabyte_is_refused_on_every_path(
+    hostile: Hostile, path: str, keyed: bool
+) -> None:
+    """Refused: a chunked body of up to 1 GiB gets 413 once it passes `max_body_bytes`, and
+    the router closes after taking at most a few MiB more; nothing of it is kept (the guard
+    checks RSS). With its key right only the size can refuse it; with no key it is 413 all
+    the same, not 401 (DESIGN §12: the size before the key, chunked or not)."""
     before = await asyncio.to_thread(rejected, hostile.url, "body_too_large")
     reader, writer = await asyncio.open_connection("127.0.0.1", hostile.port)
     chunk = b"x" * 65536
@@ -48,7 +53,7 @@ async def test_a_chunked_gigabyte_is_refused_on_every_path(hostile: Hostile, pat
     reading = asyncio.create_task(read_all())
     try:
         writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\n{CREDENTIALS[path]}"
+            f"POST {path} HTTP/1.1\r\nHost: x\r\n{CREDENTIALS[path] if keyed else ''}"
             "Transfer-Encoding: chunked\r\n\r\n".encode()
         )
         async with asyncio.timeout(30):

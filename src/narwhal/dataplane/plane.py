@@ -27,7 +27,7 @@ from narwhal.clock import Clock
 from narwhal.config import Config, Role
 from narwhal.dataplane.access_log import AccessLog
 from narwhal.dataplane.auth import ApiKeys, KeysUnreadable, load_keys
-from narwhal.dataplane.body import read_body
+from narwhal.dataplane.body import read_body, size_before_key
 from narwhal.dataplane.continuation import Continuations
 from narwhal.dataplane.embeddings import Embeddings
 from narwhal.dataplane.engine_calls import EngineKeys
@@ -276,6 +276,8 @@ class DataPlane:
         outcome = "ok"
         try:
             refused, record.key = self.authenticate(exchange.header("authorization"))
+            if refused is not None:
+                refused = await size_before_key(exchange, self._serving.max_body_bytes, refused)
             result = refused or await self._handle(endpoint, exchange, start)
             outcome = result.outcome
             await self._evidence.settled()  # what this request taught is applied first
@@ -312,7 +314,9 @@ class DataPlane:
         name = path.strip("/")
         start = self._clock.monotonic()
         answer, _ = self.authenticate(exchange.header("authorization"))
-        if answer is None:
+        if answer is not None:
+            answer = await size_before_key(exchange, self._serving.max_body_bytes, answer)
+        else:
             answer = await self._passthrough.answer(path, exchange)
         self._requests(name, answer.outcome).inc()
         self._latency(name).observe(self._clock.monotonic() - start)

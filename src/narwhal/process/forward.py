@@ -2,9 +2,10 @@
 unknown paths, forwarded to the control process's aiohttp app on its Unix socket (a private
 0700 directory), in every process mode.
 
-An `/admin` request without the admin token is refused here, before its body is read (so
-before any `100 Continue`); the control process checks the token again. The body was
-already bounded by the server (`serving.max_body_bytes`).
+An `/admin` request without the admin token is refused here, before a declared body is read
+(so before any `100 Continue`); a chunked one is read first, as far as `serving.max_body_bytes`,
+since the size is checked before the key (DESIGN §12). The control process checks the token
+again. The body was already bounded by the server.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING
 
+from narwhal.dataplane.body import size_before_key
 from narwhal.dataplane.errors import error_answer, error_body
+from narwhal.dataplane.exchange import Answer
 from narwhal.process.gate import CONTROL_LOST
 from narwhal.process.h1_server import ServerRequest
 
@@ -23,10 +26,11 @@ NDJSON = "application/x-ndjson"
 
 
 class ControlForward:
-    def __init__(self, socket_path: str, admin_token: str | None) -> None:
+    def __init__(self, socket_path: str, admin_token: str | None, max_body_bytes: int) -> None:
         """`admin_token`: resolved once, as the control process's admin app does."""
         self._path = socket_path
         self._token = admin_token
+        self._max_body_bytes = max_body_bytes
         self._session: aiohttp.ClientSession | None = None
 
     def _denied(self, request: ServerRequest) -> bool:
@@ -47,7 +51,8 @@ class ControlForward:
         if self._denied(request):
             body = error_body("missing or wrong admin token", "unauthorized", 401)
             headers = {"WWW-Authenticate": 'Bearer realm="narwhal-admin"'}
-            request.respond(401, body, "application/json", headers)
+            refusal = Answer(401, body, "application/json", "unauthorized", headers)
+            request.answer(await size_before_key(request, self._max_body_bytes, refusal))
             return
         if self._session is None:
             self._session = aiohttp.ClientSession(

@@ -132,7 +132,9 @@ class Worker:
         self.flow = FlowGate(config, _ChannelLink(channel), index, self.clock.monotonic)
         self.dataplane.flow = self.flow
         self.control_socket: str = hello["control_socket"]
-        self.forward = ControlForward(self.control_socket, config.admin.resolve_token())
+        self.forward = ControlForward(
+            self.control_socket, config.admin.resolve_token(), config.serving.max_body_bytes
+        )
         self.drain = asyncio.Event()
         self.grace_s: float = hello["grace_s"]
 
