@@ -78,6 +78,30 @@ def router_config(engines: list[dict[str, Any]], tmp_path: Path, **sections: Any
 
 StartRouter = Callable[..., Awaitable[RunningRouter]]
 
+# How long `start_router` waits for a router that says `starting` to say anything else.
+STARTING_WAIT_S = 5.0
+
+
+async def _past_starting(rr: RunningRouter) -> None:
+    """Until `/ready` says something other than `starting: ...`, for at most
+    `STARTING_WAIT_S`, then on regardless. The start-up sweep checks every engine within
+    `engine.health_timeout_s` (0.5 s here); on a loaded host a healthy sim can answer later,
+    and is verified by the monitor's next pass, a moment after `start_router` returned: a
+    test's first request then got 503 `starting` (the loaded CI run of 2026-12-07 23:12). A
+    router whose engines cannot be verified (down, the wrong model) still says `starting`
+    when the test begins, only later."""
+    deadline = asyncio.get_running_loop().time() + STARTING_WAIT_S
+    async with aiohttp.ClientSession() as http:
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                async with http.get(rr.url + "/ready") as resp:
+                    if not (await resp.text()).startswith("starting:"):
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.02)
+
+
 # Data-plane injections that only a single-process router honours (its data plane runs in
 # this process): a router built with them runs `serving.workers: 1`.
 _IN_PROCESS_ONLY = frozenset({"clock", "new_request_id"})
@@ -137,6 +161,8 @@ async def start_router(
             task.result()  # raises the startup error
         rr = RunningRouter(router, f"http://127.0.0.1:{bound.result()}", task)
         running.append(rr)
+        if "clock" not in (router_kwargs or {}):  # a fake clock runs no pass by itself
+            await _past_starting(rr)
         return rr
 
     yield start

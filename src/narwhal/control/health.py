@@ -174,7 +174,8 @@ class HealthStages:
         self._cfg = config
 
     def _verify(self, engine_id: str, result: HealthResult, now: float) -> None:
-        """Apply one answer to an unverified engine; a wrong model is also a warning."""
+        """Apply one answer to an unverified engine (a wrong model is also a warning); of a
+        verified one, only the models it lists, when they were read."""
         engine = self._fleet.get(engine_id)
         if engine.verified:
             # Read again while not known (restored from a handoff, or followed as a standby:
@@ -242,7 +243,8 @@ class HealthStages:
     async def _learn(self, engine: EngineState, now: float) -> tuple[Served | None, str | None]:
         """What a healthy engine's identity and limits are, read once (the adapter's own
         `learn` is cheap when it knows already); `/v1/models` is read on every answer until
-        the engine is verified. Returns the served models read (or why they were not)."""
+        the engine is verified and its list known. Returns the served models read (or why
+        they were not)."""
         models: Served | None = None
         problem: str | None = None
         # A verified engine with no list was restored from a document that had none.
